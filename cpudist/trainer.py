@@ -214,7 +214,9 @@ def evaluate(rt: Runtime, config: Config) -> dict[str, float]:
 
 def sample_prompts(data: TokenizedSplit, count: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids up to the first answer token, reference answer ids) of held-out samples."""
-    samples = []
+    samples: list[tuple[list[int], list[int]]] = []
+    if count <= 0:
+        return samples
     for ids, labels in zip(data.input_ids, data.labels, strict=True):
         first = next((i for i, label in enumerate(labels) if label != IGNORE), None)
         if first:
