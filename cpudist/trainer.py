@@ -41,6 +41,7 @@ from cpudist.config import Config
 from cpudist.data import IGNORE, Batch, GlobalBatches, TokenizedSplit, build_datasets, collate, pack
 from cpudist.data import eval_batches as eval_batch_indices
 from cpudist.errors import UserError
+from cpudist.hardware import cpu_info
 from cpudist.loss import CausalLMLoss
 from cpudist.model import build_model, trainable_parameters
 from cpudist.report import MetricsLog, Progress, peak_rss_gb
@@ -341,7 +342,8 @@ def _train(config: Config, placement: Placement, threads: int, cpus: list[int] |
     stop = StopFlag(tc.save_on_signal)
     summary: dict[str, Any] = {"world_size": world, "threads_per_rank": threads,
                                "dtype": dtype_reason, "communication": comm,
-                               "global_batch": tc.batch_size * tc.grad_accum * world}
+                               "global_batch": tc.batch_size * tc.grad_accum * world,
+                               "cpu": cpu_info().model, "launcher": placement.launcher}
 
     prompts = sample_prompts(val_data, tc.sample_prompts) if placement.is_main else []
     before = evaluate(rt, config) if not resume_path else {}
