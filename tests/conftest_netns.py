@@ -81,6 +81,18 @@ class NetnsCluster:
         return self.run(self.nodes[0], cmd, timeout=timeout)
 
 
+    def launch(self, np: int, program: Sequence[str], workdir: Path, timeout: float = 600,
+               options: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+        """`cpudist launch -np N --hostfile ... -- PROGRAM` started inside the first node, e.g.
+        program=["train", "cfg.yaml", f"dist.interface={cluster.ifname}"]."""
+        hostfile = self.write_hostfile(workdir / "netns.hosts")
+        argv = [sys.executable, "-m", "cpudist.cli", "launch", "-np", str(np), "--hostfile",
+                str(hostfile), "--mpirun", self.mpirun_path,
+                *(f"--mpi-arg={arg}" for arg in self.mpi_args()), *options, "--", *program]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        return self.run(self.nodes[0], argv, timeout=timeout, env=env)
+
+
 def _skip_reason() -> str | None:
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "needs root to create network namespaces"

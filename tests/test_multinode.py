@@ -65,3 +65,15 @@ def test_two_node_gloo_allreduce_crosses_the_veth(netns_cluster: NetnsCluster,  
         sent = after[node] - before[node]
         # Each of the ROUNDS allreduces sends about one tensor's worth each way with 2 ranks.
         assert sent > tensor_bytes, f"{node} sent only {sent} bytes on {netns_cluster.ifname}"
+
+
+def test_cpudist_launch_over_two_nodes(netns_cluster: NetnsCluster,  # noqa: F811
+                                       tmp_path: Path) -> None:
+    """`cpudist launch` with a hostfile and the agent: one rank on each fake node."""
+    hosts = tmp_path / "check.hosts"
+    hosts.write_text("a slots=1\n")
+    done = netns_cluster.launch(2, ["hostfile", "check", str(hosts), "--no-resolve"], tmp_path,
+                                options=["--allocator", "none"])
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    assert done.stdout.count("1 host(s), 1 slot(s) in total") == 2
+    assert "--map-by slot:PE=" in done.stderr  # one rank per node: bound to that node's cores
