@@ -143,8 +143,22 @@ def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+# Names users bring from Hugging Face Trainer / PEFT, mapped to ours.
+_ALIASES = {
+    "learning_rate": "train.lr", "learning_rat": "train.lr",
+    "per_device_train_batch_size": "train.batch_size",
+    "gradient_accumulation_steps": "train.grad_accum", "num_train_epochs": "train.epochs",
+    "max_grad_norm": "train.max_grad_norm", "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout", "output_dir": "output.dir", "model_name_or_path": "model.path",
+    "torch_dtype": "model.dtype", "max_seq_length": "data.max_length",
+}
+
+
 def suggest_key(key: str) -> str:
     """' Did you mean ...?' for the closest valid dotted key, or ''."""
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf in _ALIASES:
+        return f" Did you mean '{_ALIASES[leaf]}'?"
     valid = _valid_keys(Config)
     leaf_matches = [k for k in valid if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5) or leaf_matches[:1]
@@ -234,7 +248,7 @@ def _describe(exc: ValidationError, source: str, lines: dict[str, int], override
     messages = []
     for error in exc.errors():
         key = ".".join(str(part) for part in error["loc"] if not isinstance(part, int))
-        if key in overrides:
+        if key in overrides or any(o.startswith(key + ".") for o in overrides):
             where = "command line"
         elif key in lines:
             where = f"{source}:{lines[key]}"

@@ -18,6 +18,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -494,8 +495,12 @@ def _wrap_ddp(module: CausalLMLoss, config: Config) -> nn.Module:
     frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
     frozen += [name for name, _ in module.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(module, frozen)
-    ddp = DDP(module, bucket_cap_mb=config.dist.bucket_cap_mb, broadcast_buffers=False,
-              find_unused_parameters=False)
+    with warnings.catch_warnings():
+        # broadcast_buffers is deprecated, but its successor still syncs buffers at init; every
+        # buffer is ignored above anyway, so the warning says nothing about this run.
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        ddp = DDP(module, bucket_cap_mb=config.dist.bucket_cap_mb, broadcast_buffers=False,
+                  find_unused_parameters=False)
     if config.dist.backend == "mpi":
         ddp.register_comm_hook(None, mpi_allreduce_hook(config.dist.mpi_nonblocking))
     return ddp
