@@ -372,7 +372,8 @@ class Batch:
 
     @property
     def tokens(self) -> int:
-        return int(self.attention_mask.sum())
+        # Packed rows hold segment ids (1, 2, ...) in attention_mask, so count, never sum.
+        return int((self.attention_mask > 0).sum())
 
     def as_kwargs(self) -> dict[str, torch.Tensor]:
         kwargs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask,

@@ -1,0 +1,772 @@
+"""`cpudist bench` and `cpudist scaling`: throughput, memory and MFU of a short LoRA training.
+
+A bench builds the model from a preset (random weights in the exact architecture, written once as
+safetensors plus SmolLM2's tokenizer into .cache/bench/ so cpudist and the Hugging Face baseline read
+the same files), trains a few steps with the same pieces as `cpudist train` (CausalLMLoss, DDP,
+AdamW, the dtype policy) and reports, after warm-up steps:
+
+- tokens_per_s: every real (non-padding) token fed, all ranks; label_tokens_per_s: tokens with loss.
+- peak_rss_gb per rank (ru_maxrss) and node_pss_gb: the sum over the node's ranks of the largest
+  proportional set size seen (shared weight pages count once per node, split between ranks).
+- mfu: model FLOPs per second / GEMM peak of the compute dtype measured in the same run (before and
+  after the timed steps, several times each, maximum kept, all ranks at once).
+
+Model FLOPs of one step (docs/PERFORMANCE.md), summed over samples of real length L:
+  (4 * N_frozen + 6 * N_lora) * L + 6 * n_layers * d_attn * L^2  +  4 * V * H * label_tokens
+forward 2N and input-gradient 2N for frozen decoder weights (no weight gradient), forward, input-
+and weight-gradient 2N each for LoRA weights, causal attention (QK^T and AV, forward 2 L^2 d,
+backward twice that), and the LM head only where a label exists (forward + input gradient).
+Padding and recomputation (activation checkpointing) are work, not model FLOPs, so they lower MFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cpudist.config import Config, load_config
+from cpudist.errors import UserError
+
+log = logging.getLogger("cpudist")
+
+BENCH_CACHE = Path(".cache/bench")
+DATA_KINDS = ("synthetic", "instruct")
+
+
+# --------------------------------------------------------------------------- model presets
+
+
+@dataclass(frozen=True)
+class Preset:
+    family: str  # qwen2 | llama | builtin
+    config: dict[str, Any]
+
+
+PRESETS: dict[str, Preset] = {
+    # Exact Qwen2.5-0.5B architecture (random weights).
+    "qwen2.5-0.5b": Preset("qwen2", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # The real quickstart model (pretrained weights of the built-in smollm2-135m-instruct).
+    "smollm2-135m": Preset("builtin", {"name": "smollm2-135m-instruct"}),
+    # Llama-2-7B shape, for memory arithmetic on big nodes (shrink with --layers elsewhere).
+    "llama-7b": Preset("llama", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)),
+}
+
+
+def _builtin_tokenizer_dir(cache_dir: str) -> Path:
+    from cpudist.config import ModelConfig
+    from cpudist.model import resolve_model_path
+
+    return resolve_model_path(ModelConfig(cache_dir=cache_dir))
+
+
+def preset_dir(name: str, layers: int | None = None, model_cache: str = ".cache/models",
+               root: Path = BENCH_CACHE) -> Path:
+    """The preset's model directory (safetensors + tokenizer), written once under a file lock."""
+    from cpudist.model import file_lock
+
+    if name not in PRESETS:
+        raise UserError(f"--preset {name!r}: unknown; choose one of {', '.join(PRESETS)}")
+    if layers is not None and layers < 1:
+        raise UserError(f"--layers {layers}: needs at least 1 layer")
+    target = root / (f"{name}-L{layers}" if layers else name)
+    with file_lock(root / f".{target.name}.lock"):
+        if not (target / "config.json").exists():
+            _write_preset(PRESETS[name], layers, model_cache, target)
+    return target
+
+
+def _write_preset(preset: Preset, layers: int | None, model_cache: str, target: Path) -> None:
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    source = _builtin_tokenizer_dir(model_cache)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    torch.manual_seed(0)
+    if preset.family == "builtin":
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        if layers is not None and layers < model.config.num_hidden_layers:
+            model.model.layers = model.model.layers[:layers]
+            model.config.num_hidden_layers = layers
+            if getattr(model.config, "layer_types", None):
+                model.config.layer_types = model.config.layer_types[:layers]
+    else:
+        settings = dict(preset.config)
+        if layers is not None:
+            settings["num_hidden_layers"] = layers
+        settings.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        config_cls, model_cls = ((Qwen2Config, Qwen2ForCausalLM) if preset.family == "qwen2"
+                                 else (LlamaConfig, LlamaForCausalLM))
+        # Small init keeps random-weight activations and losses finite in bf16.
+        model = model_cls(config_cls(initializer_range=0.02, **settings))
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, target)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def synthetic_split(samples: int, seq_len: int, vocab: int, seed: int) -> Any:
+    """Uniform-length rows of random token ids in [0, vocab); every token is a label."""
+    from cpudist.data import TokenizedSplit
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (samples, seq_len), generator=generator).tolist()
+    return TokenizedSplit(ids, [list(row) for row in ids])
+
+
+def padding_fraction(batches: list[Any]) -> float:
+    """Share of the computed positions (rows x width) that hold padding."""
+    cells = sum(b.input_ids.numel() for b in batches)
+    real = sum(b.tokens for b in batches)
+    return 0.0 if cells == 0 else 1.0 - real / cells
+
+
+# --------------------------------------------------------------------------- FLOPs and peak
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    n_frozen: int  # frozen decoder weights feeding matmuls (LM head and embeddings excluded)
+    n_lora: int  # trainable LoRA weights
+    n_layers: int
+    attn_dim: int  # query heads x head dim
+    head_params: int  # vocab x hidden of the LM head
+
+    def step_flops(self, sample_lengths: list[int], label_tokens: int) -> float:
+        linear = (4 * self.n_frozen + 6 * self.n_lora) * sum(sample_lengths)
+        attention = 6 * self.n_layers * self.attn_dim * sum(n * n for n in sample_lengths)
+        return float(linear + attention + 4 * self.head_params * label_tokens)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def flop_model(peft_model: nn.Module) -> FlopModel:
+    """Parameter counts of a peft causal LM for the FLOP formula."""
+    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+    config = base.config
+    head = base.get_output_embeddings()
+    n_frozen = n_lora = 0
+    for name, module in base.named_modules():
+        if not isinstance(module, nn.Linear) or module is head:
+            continue
+        if ".lora_" in name:
+            n_lora += module.weight.numel()
+        elif not module.weight.requires_grad:
+            n_frozen += module.weight.numel()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return FlopModel(n_frozen=n_frozen, n_lora=n_lora, n_layers=config.num_hidden_layers,
+                     attn_dim=config.num_attention_heads * head_dim,
+                     head_params=head.weight.numel())
+
+
+def batch_sample_lengths(batch: Any) -> list[int]:
+    """Real lengths of the samples in a batch (packed rows hold several; 0 = padding)."""
+    mask = batch.attention_mask
+    if batch.position_ids is None:
+        return [int(n) for n in (mask > 0).sum(dim=1).tolist()]
+    lengths = []
+    for row in mask:
+        counts = torch.bincount(row)[1:]
+        lengths += [int(n) for n in counts.tolist() if n]
+    return lengths
+
+
+def gemm_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 3) -> float:
+    """Best FLOP/s of a size^3 matmul in dtype with this process's threads."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    torch.mm(a, b)  # first call picks kernels
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * size**3 / (time.perf_counter() - start))
+    return best
+
+
+# --------------------------------------------------------------------------- memory
+
+
+class PssSampler:
+    """Largest proportional set size of this process, sampled in the background (psutil)."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        import psutil
+
+        self.process = psutil.Process()
+        self.peak = 0
+        self.interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> int:
+        with contextlib.suppress(OSError, AttributeError):  # no smaps: no PSS figure
+            self.peak = max(self.peak, self.process.memory_full_info().pss)
+        return self.peak
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> PssSampler:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+# --------------------------------------------------------------------------- the bench
+
+
+@dataclass
+class BenchArgs:
+    preset: str | None
+    layers: int | None
+    data: str
+    steps: int
+    warmup: int
+    batch_size: int | None
+    seq_len: int | None
+    dtype: str | None
+    threads: int | None
+
+
+def bench_config(config_path: str | None, overrides: list[str], args: BenchArgs) -> Config:
+    """The run's config: CONFIG + overrides, then the bench flags (which win)."""
+    extra = []
+    if args.batch_size:
+        extra.append(f"train.batch_size={args.batch_size}")
+    if args.seq_len:
+        extra.append(f"data.max_length={args.seq_len}")
+    if args.dtype:
+        extra.append(f"model.dtype={args.dtype}")
+    if args.threads:
+        extra.append(f"dist.threads_per_rank={args.threads}")
+    config = load_config(config_path, [*overrides, *extra])
+    if args.preset:
+        config.model.path = str(preset_dir(args.preset, args.layers, config.model.cache_dir))
+    elif args.layers:
+        raise UserError("--layers needs --preset (it shrinks a preset model)")
+    return config
+
+
+def make_data(config: Config, kind: str, samples: int, tokenizer: Any, vocab: int) -> tuple[Any, str]:
+    """(training split, description)."""
+    from cpudist.data import build_datasets
+
+    if kind == "synthetic":
+        return (synthetic_split(samples, config.data.max_length, vocab, config.train.seed),
+                f"synthetic: {samples} rows x {config.data.max_length} random tokens, all labels")
+    if kind != "instruct":
+        raise UserError(f"--data {kind!r}: choose one of {', '.join(DATA_KINDS)}")
+    train, _, stats = build_datasets(config.data, tokenizer, config.train.seed)
+    return train, f"instruct: {stats['source']} ({stats['train']} samples, prompt tokens masked)"
+
+
+def run_bench(config: Config, args: BenchArgs) -> dict[str, Any] | None:
+    """Train warm-up + timed steps as this rank; rank 0 returns the result."""
+    import torch.distributed as dist
+
+    from cpudist.cluster import (
+        configure_logging,
+        detect_placement,
+        init_process_group,
+        pin_threads,
+        shutdown,
+        threads_for_rank,
+    )
+    from cpudist.quiet import quiet_libraries
+
+    quiet_libraries()
+    placement = detect_placement()
+    configure_logging(placement)
+    threads = threads_for_rank(placement, config.dist.threads_per_rank)
+    pin_threads(placement, threads)
+    if placement.distributed:
+        init_process_group(placement, config.dist.backend, config.dist.master_addr,
+                           config.dist.master_port, config.dist.interface, config.dist.timeout_s)
+    try:
+        return _bench(config, args, placement, threads, dist)
+    finally:
+        shutdown()
+
+
+def _bench(config: Config, args: BenchArgs, placement: Any, threads: int, dist: Any
+           ) -> dict[str, Any] | None:
+    from cpudist.data import GlobalBatches
+    from cpudist.loss import CausalLMLoss
+    from cpudist.model import build_model, trainable_parameters
+    from cpudist.trainer import _wrap_ddp, agree_on_error, allreduce, make_batch
+
+    tc = config.train
+    world, rank = placement.world_size, placement.rank
+    random.seed(tc.seed)
+    torch.manual_seed(tc.seed)
+    total_steps = args.warmup + args.steps
+    error = None
+    try:
+        peft_model, tokenizer, dtype_reason, model_dir = build_model(config.model, config.lora)
+        vocab = peft_model.get_base_model().config.vocab_size
+        samples = total_steps * tc.batch_size * tc.grad_accum * world
+        train_data, data_desc = make_data(config, args.data, samples, tokenizer, vocab)
+    except UserError as exc:
+        error = str(exc)
+    agree_on_error(placement, error)
+    compute_bf16 = dtype_reason.startswith("bfloat16")
+    compute_dtype = torch.bfloat16 if compute_bf16 else torch.float32
+    loss_module = CausalLMLoss(peft_model, tc.loss_chunk_size)
+    params = [p for _, p in trainable_parameters(loss_module)]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    step_module: nn.Module = _wrap_ddp(loss_module, config) if placement.distributed else loss_module
+    if tc.compile:
+        step_module = torch.compile(step_module)
+    batches = GlobalBatches(train_data, tc.batch_size, tc.grad_accum, world, tc.seed,
+                            config.data.group_by_length)
+    flops = flop_model(peft_model)
+
+    def barrier() -> None:
+        if placement.distributed:
+            dist.barrier()
+
+    def peak() -> float:
+        barrier()
+        value = gemm_peak(compute_dtype)
+        (total,) = allreduce([value], placement)  # all ranks ran at once: the node's peak
+        return total
+
+    peaks = [peak(), peak()]
+    step_times: list[float] = []
+    fed = labels = 0.0
+    model_flops = 0.0
+    sample_count = 0
+    padded: list[Any] = []
+    with PssSampler() as pss:
+        for step in range(total_steps):
+            barrier()
+            started = time.perf_counter()
+            epoch, index = divmod(step, batches.steps_per_epoch)
+            micro = [make_batch(train_data, ix, tokenizer.pad_token_id, config)
+                     for ix in batches.step_batches(epoch, index, rank)]
+            lengths = [n for b in micro for n in batch_sample_lengths(b)]
+            label_tokens, fed_tokens, step_flops = allreduce(
+                [sum(b.label_tokens for b in micro), sum(b.tokens for b in micro),
+                 flops.step_flops(lengths, sum(b.label_tokens for b in micro))], placement)
+            scale = world / max(label_tokens, 1.0)
+            loss_local = 0.0
+            for k, batch in enumerate(micro):
+                sync = k == len(micro) - 1
+                no_sync = (step_module.no_sync() if placement.distributed and not sync
+                           and hasattr(step_module, "no_sync") else contextlib.nullcontext())
+                with no_sync, torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_bf16):
+                    loss_sum, _ = step_module(**batch.as_kwargs())
+                    (loss_sum * scale).backward()
+                loss_local += float(loss_sum.detach())
+            torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            (loss_total,) = allreduce([loss_local], placement)
+            elapsed = time.perf_counter() - started
+            if step >= args.warmup:
+                step_times.append(elapsed)
+                fed += fed_tokens
+                labels += label_tokens
+                model_flops += step_flops
+                sample_count += len(lengths)
+                padded += micro
+            log.info("bench step %d/%d%s: %.2f s, loss %.4f", step + 1, total_steps,
+                     " (warm-up)" if step < args.warmup else "", elapsed,
+                     loss_total / max(label_tokens, 1.0))
+    peaks += [peak(), peak()]
+    peak_rss = _peak_rss_gb()
+    (pad_cells, pad_real) = allreduce([float(sum(b.input_ids.numel() for b in padded)),
+                                       float(sum(b.tokens for b in padded))], placement)
+    per_rank = [(socket.gethostname(), peak_rss, pss.peak / 1024**3)]
+    if placement.distributed:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, per_rank[0])
+        per_rank = gathered
+    if not placement.is_main:
+        return None
+    wall = sum(step_times)
+    node_pss: dict[str, float] = {}
+    for host, _, pss_gb in per_rank:
+        node_pss[host] = node_pss.get(host, 0.0) + pss_gb
+    peak_flops = max(peaks)
+    return {
+        "tokens_per_s": fed / wall, "label_tokens_per_s": labels / wall,
+        "samples_per_s": sample_count / wall, "s_per_step": wall / len(step_times),
+        "peak_rss_gb": [rss for _, rss, _ in per_rank],
+        "node_pss_gb": max(node_pss.values()),
+        "mfu": model_flops / wall / peak_flops,
+        "model_tflops": model_flops / wall / 1e12, "peak_tflops": peak_flops / 1e12,
+        "peak_samples_tflops": [p / 1e12 for p in peaks],
+        "padding_fraction": 0.0 if pad_cells == 0 else 1.0 - pad_real / pad_cells,
+        "dtype": dtype_reason, "threads": threads, "world_size": world,
+        "steps": args.steps, "warmup_steps": args.warmup, "step_s": step_times,
+        "data": data_desc, "model_dir": str(model_dir), "preset": args.preset,
+        "layers": args.layers, "flop_model": flops.as_dict(),
+        "allocator": _allocator_in_use(), "framework": "cpudist",
+        "config": config.to_dict(),
+    }
+
+
+def _peak_rss_gb() -> float:
+    from cpudist.report import peak_rss_gb
+
+    return peak_rss_gb()
+
+
+def _allocator_in_use() -> str:
+    preload = os.environ.get("LD_PRELOAD", "")
+    for name in ("jemalloc", "tcmalloc"):
+        if name in preload:
+            conf = os.environ.get("MALLOC_CONF", "")
+            return f"{name} ({conf})" if conf else name
+    return "glibc malloc"
+
+
+# --------------------------------------------------------------------------- reporting
+
+FIGURES = [("tokens_per_s", "tokens/s", "{:.1f}"), ("label_tokens_per_s", "label tokens/s", "{:.1f}"),
+           ("samples_per_s", "samples/s", "{:.3f}"), ("s_per_step", "s/step", "{:.2f}"),
+           ("peak_rss_gb", "peak RSS GB (max rank)", "{:.2f}"), ("node_pss_gb", "node PSS GB", "{:.2f}"),
+           ("mfu", "MFU", "{:.1%}"), ("padding_fraction", "padding", "{:.1%}")]
+
+
+def figure(result: dict[str, Any], key: str) -> float:
+    value = result[key]
+    return max(value) if isinstance(value, list) else float(value)
+
+
+def format_table(results: dict[str, dict[str, Any]], ratio_of: tuple[str, str] | None = None) -> str:
+    """A markdown table: one column per result (and a ratio column)."""
+    names = list(results)
+    header = ["figure", *names] + ([f"{ratio_of[0]} / {ratio_of[1]}"] if ratio_of else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key, label, fmt in FIGURES:
+        if not all(key in r for r in results.values()):
+            continue
+        cells = [fmt.format(figure(results[name], key)) for name in names]
+        if ratio_of:
+            a, b = figure(results[ratio_of[0]], key), figure(results[ratio_of[1]], key)
+            cells.append(f"{a / b:.2f}x" if b else "-")
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    first = next(iter(results.values()))
+    lines.append("")
+    lines.append(f"dtype {first['dtype']}; {first['world_size']} rank(s) x {first['threads']} "
+                 f"thread(s); peak GEMM {first['peak_tflops'] * 1000:.0f} GFLOP/s (this run); "
+                 f"{first['steps']} timed steps after {first['warmup_steps']} warm-up; "
+                 f"{first['data']}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- vs Hugging Face
+
+
+def _subprocess_env(allocator: str) -> dict[str, str]:
+    from cpudist.launcher import JEMALLOC_CONF, choose_allocator
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    name, lib = choose_allocator(allocator)  # type: ignore[arg-type]
+    if lib:
+        env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
+        if name == "jemalloc":
+            env["MALLOC_CONF"] = JEMALLOC_CONF
+    return env
+
+
+def _run_json(cmd: list[str], env: dict[str, str], what: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="cpudist-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        print(f"$ {' '.join(cmd)} --json {out}", file=sys.stderr, flush=True)
+        proc = subprocess.run([*cmd, "--json", str(out)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if proc.returncode != 0 or not out.exists():
+            tail = "\n".join(proc.stdout.splitlines()[-15:])
+            raise UserError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+        return json.loads(out.read_text())
+
+
+def hf_command(config: Config, args: BenchArgs) -> list[str]:
+    """`python -m cpudist.hf_baseline ...` with the same model, data, batch and LoRA settings."""
+    lora = config.lora
+    targets = (lora.target_modules if isinstance(lora.target_modules, str)
+               else ",".join(lora.target_modules))
+    cmd = [sys.executable, "-m", "cpudist.hf_baseline", "--model", config.model.path,
+           "--data", args.data, "--data-path", config.data.path, "--data-format", config.data.format,
+           "--data-cache", config.data.cache_dir, "--seq-len", str(config.data.max_length),
+           "--batch-size", str(config.train.batch_size), "--grad-accum", str(config.train.grad_accum),
+           "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--dtype", config.model.dtype, "--lr", str(config.train.lr),
+           "--lora-r", str(lora.r), "--lora-alpha", str(lora.alpha),
+           "--lora-dropout", str(lora.dropout), "--target-modules", targets,
+           "--seed", str(config.train.seed)]
+    if config.dist.threads_per_rank:
+        cmd += ["--threads", str(config.dist.threads_per_rank)]
+    if config.model.gradient_checkpointing:
+        cmd.append("--gradient-checkpointing")
+    return cmd
+
+
+def run_vs_hf(config_path: str | None, overrides: list[str], args: BenchArgs, config: Config,
+              rounds: int, allocator: str) -> dict[str, Any]:
+    """Alternate cpudist and HF runs (separate processes); best figures of each, and ratios."""
+    ours = [sys.executable, "-m", "cpudist.cli", "bench"]
+    if config_path:
+        ours.append(config_path)
+    ours += [*overrides, *_flag_args(args)]
+    env = _subprocess_env(allocator)
+    runs: dict[str, list[dict[str, Any]]] = {"cpudist": [], "hf": []}
+    for _ in range(rounds):
+        runs["cpudist"].append(_run_json(ours, env, "cpudist bench"))
+        runs["hf"].append(_run_json(hf_command(config, args), env, "Hugging Face baseline"))
+    best = {name: max(items, key=lambda r: r["tokens_per_s"]) for name, items in runs.items()}
+    ratios = {key: figure(best["cpudist"], key) / figure(best["hf"], key)
+              for key, _, _ in FIGURES if key in best["hf"] and figure(best["hf"], key)}
+    return {"cpudist": best["cpudist"], "hf": best["hf"], "ratios": ratios, "rounds": runs}
+
+
+def _flag_args(args: BenchArgs) -> list[str]:
+    flags = ["--data", args.data, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    for flag, value in (("--preset", args.preset), ("--layers", args.layers),
+                        ("--batch-size", args.batch_size), ("--seq-len", args.seq_len),
+                        ("--dtype", args.dtype), ("--threads", args.threads)):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+# --------------------------------------------------------------------------- scaling
+
+
+def run_scaling(config_path: str | None, overrides: list[str], args: BenchArgs,
+                counts: list[int], total_threads: int, allocator: str, out_dir: Path
+                ) -> list[dict[str, Any]]:
+    """The bench under mpirun at each rank count, threads split between the ranks."""
+    from cpudist.launcher import find_mpirun
+
+    mpirun = find_mpirun()
+    env = _subprocess_env(allocator)
+    rows = []
+    for np in counts:
+        threads = max(1, total_threads // np)
+        flags = _flag_args(BenchArgs(**{**args.__dict__, "threads": threads}))
+        cmd = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none"]
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        cmd += [sys.executable, "-m", "cpudist.cli", "bench"]
+        if config_path:
+            cmd.append(config_path)
+        result = _run_json([*cmd, *overrides, *flags], env, f"bench with {np} rank(s)")
+        result["ranks"] = np
+        rows.append(result)
+    base = rows[0]
+    for row in rows:
+        row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["pss_ratio"] = row["node_pss_gb"] / base["node_pss_gb"]
+    write_scaling(rows, out_dir)
+    return rows
+
+
+def scaling_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| ranks x threads | tokens/s | speedup | s/step | MFU | node PSS GB | PSS ratio | "
+             "peak RSS GB/rank |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['ranks']} x {r['threads']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {r['s_per_step']:.2f} | {r['mfu']:.1%} | "
+                     f"{r['node_pss_gb']:.2f} | {r['pss_ratio']:.2f}x | "
+                     f"{max(r['peak_rss_gb']):.2f} |")
+    return "\n".join(lines)
+
+
+def write_scaling(rows: list[dict[str, Any]], out_dir: Path) -> None:
+    """scaling.md, scaling.json and a PNG (cpudist.plots.write_scaling_report when present)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "scaling.json").write_text(json.dumps(rows, indent=1))
+    try:
+        from cpudist.plots import write_scaling_report  # type: ignore[attr-defined]
+    except ImportError:
+        write_scaling_report = None
+    if write_scaling_report is not None:
+        write_scaling_report(rows, out_dir)
+        if (out_dir / "scaling.md").exists():
+            return
+    (out_dir / "scaling.md").write_text(scaling_table(rows) + "\n")
+    if write_scaling_report is None:
+        _scaling_png(rows, out_dir / "scaling.png")
+
+
+def _scaling_png(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = [r["ranks"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    left.plot(ranks, [r["tokens_per_s"] for r in rows], "o-")
+    left.set(xlabel="ranks (threads split between them)", ylabel="tokens/s", xticks=ranks,
+             title="throughput")
+    right.plot(ranks, [r["node_pss_gb"] for r in rows], "o-", color="tab:orange")
+    right.set(xlabel="ranks", ylabel="GB", xticks=ranks, title="node PSS")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="YAML config (default: built-in defaults)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="random-weight model of this architecture (smollm2-135m: the real one)")
+    parser.add_argument("--layers", type=int, help="keep only the first N decoder layers")
+    parser.add_argument("--data", default="synthetic", choices=DATA_KINDS,
+                        help="synthetic: full-length rows, all labels; instruct: data.path with "
+                             "real lengths and prompt masking (default chatterbot:english)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed first steps (default 1)")
+    parser.add_argument("--batch-size", type=int, help="train.batch_size")
+    parser.add_argument("--seq-len", type=int, help="data.max_length (synthetic row length)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="model.dtype")
+    parser.add_argument("--threads", type=int, help="dist.threads_per_rank")
+    parser.add_argument("--allocator", default="none", choices=["auto", "jemalloc", "tcmalloc", "none"],
+                        help="preload this allocator into the benchmark processes (--vs, scaling)")
+    parser.add_argument("--json", type=Path, help="write the result here")
+
+
+def _bench_args(ns: argparse.Namespace) -> tuple[str | None, list[str], BenchArgs]:
+    config_path, overrides = ns.config, list(ns.overrides)
+    if config_path is not None and "=" in config_path:
+        overrides.insert(0, config_path)
+        config_path = None
+    for name in ("steps", "batch_size", "seq_len", "threads"):
+        value = getattr(ns, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    if ns.warmup < 0:
+        raise UserError(f"--warmup {ns.warmup}: must be 0 or more")
+    return config_path, overrides, BenchArgs(ns.preset, ns.layers, ns.data, ns.steps, ns.warmup,
+                                             ns.batch_size, ns.seq_len, ns.dtype, ns.threads)
+
+
+def bench_main(ns: argparse.Namespace) -> int:
+    config_path, overrides, args = _bench_args(ns)
+    config = bench_config(config_path, overrides, args)
+    if ns.vs == "hf":
+        outcome = run_vs_hf(config_path, overrides, args, config, ns.rounds, ns.allocator)
+        table = format_table({"cpudist": outcome["cpudist"], "hf": outcome["hf"]},
+                             ratio_of=("cpudist", "hf"))
+        print(table)
+        if ns.json:
+            ns.json.write_text(json.dumps(outcome, indent=1))
+        return 0
+    if ns.allocator != "none":
+        # Preloading must happen before the process starts: run ourselves again with it.
+        cmd = [sys.executable, "-m", "cpudist.cli", "bench"] + (
+            [config_path] if config_path else []) + [*overrides, *_flag_args(args)]
+        result = _run_json(cmd, _subprocess_env(ns.allocator), "cpudist bench")
+    else:
+        result = run_bench(config, args)
+    if result is None:  # not rank 0
+        return 0
+    print(format_table({"cpudist": result}))
+    if ns.json:
+        ns.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def scaling_main(ns: argparse.Namespace) -> int:
+    config_path, overrides, args = _bench_args(ns)
+    try:
+        counts = [int(n) for n in ns.np.split(",")]
+    except ValueError:
+        raise UserError(f"--np {ns.np!r}: give rank counts like 1,2,4") from None
+    if not counts or min(counts) < 1:
+        raise UserError(f"--np {ns.np!r}: rank counts must be positive")
+    bench_config(config_path, overrides, args)  # fail early, and write the preset once
+    from cpudist.cluster import physical_cores
+
+    total = ns.total_threads or physical_cores()
+    rows = run_scaling(config_path, overrides, args, counts, total, ns.allocator, ns.out)
+    print(scaling_table(rows))
+    print(f"\nwritten: {ns.out}/scaling.md, scaling.json, scaling.png")
+    if ns.json:
+        ns.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="throughput / memory / MFU of a short training (optionally vs HF Trainer)",
+        description="Train a few steps on a preset (random weights, exact architecture) and report "
+                    "tokens/s, label tokens/s, samples/s, s/step, peak RSS per rank, node PSS and "
+                    "MFU against the GEMM peak measured in the same run.")
+    _add_bench_flags(parser)
+    parser.add_argument("--vs", choices=["hf"], help="also run Hugging Face Trainer + PEFT on the "
+                        "same model, data and settings (separate processes) and print ratios")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --vs: alternate cpudist/HF this many times, keep the best")
+    parser.set_defaults(func=bench_main)
+
+    scaling = subparsers.add_parser(
+        "scaling", help="the bench under mpirun at several rank counts (threads split per rank)",
+        description="Run `cpudist bench` under mpirun with each rank count; writes scaling.md, "
+                    "scaling.json and scaling.png into --out.")
+    _add_bench_flags(scaling)
+    scaling.add_argument("--np", default="1,2", help="rank counts, comma separated (default 1,2)")
+    scaling.add_argument("--total-threads", type=int,
+                         help="threads shared by the ranks (default: physical cores)")
+    scaling.add_argument("--out", type=Path, default=Path("runs/scaling"), help="output directory")
+    scaling.set_defaults(func=scaling_main)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cpudist.cli import main as cli_main
+
+    return cli_main(["bench", *(argv or sys.argv[1:])])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
