@@ -578,78 +578,46 @@ def _flag_args(args: BenchArgs) -> list[str]:
 
 
 def run_scaling(config_path: str | None, overrides: list[str], args: BenchArgs,
-                counts: list[int], total_threads: int, allocator: str, out_dir: Path
-                ) -> list[dict[str, Any]]:
-    """The bench under mpirun at each rank count, threads split between the ranks."""
-    from cpudist.launcher import find_mpirun
+                counts: list[int], total_threads: int, allocator: str) -> list[dict[str, Any]]:
+    """The bench under mpirun at each rank count, threads split between the ranks; the mpirun
+    command (binding, thread variables, allocator preload) is the one `cpudist launch` builds."""
+    from cpudist.launcher import build_command, choose_allocator, detect_mpi
 
-    mpirun = find_mpirun()
-    env = _subprocess_env(allocator)
+    mpi = detect_mpi()
+    name, lib = choose_allocator(allocator)  # type: ignore[arg-type]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     rows = []
     for np in counts:
         threads = max(1, total_threads // np)
-        flags = _flag_args(BenchArgs(**{**args.__dict__, "threads": threads}))
-        cmd = [mpirun, "-np", str(np), "--oversubscribe", "--bind-to", "none"]
-        if os.geteuid() == 0:
-            cmd.append("--allow-run-as-root")
-        cmd += [sys.executable, "-m", "cpudist.cli", "bench"]
-        if config_path:
-            cmd.append(config_path)
-        result = _run_json([*cmd, *overrides, *flags], env, f"bench with {np} rank(s)")
-        result["ranks"] = np
+        program = ["bench"] + ([config_path] if config_path else []) + [
+            *overrides, *_flag_args(BenchArgs(**{**args.__dict__, "threads": threads}))]
+        cmd = build_command(mpi, np, program, python=sys.executable, cores_per_node=total_threads,
+                            threads_per_rank=threads, allocator=name, preload=lib,
+                            ld_preload=os.environ.get("LD_PRELOAD"),
+                            as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
+        result = _run_json(cmd, env, f"bench with {np} rank(s)")
         rows.append(result)
-    base = rows[0]
-    for row in rows:
-        row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
-        row["pss_ratio"] = row["node_pss_gb"] / base["node_pss_gb"]
-    write_scaling(rows, out_dir)
     return rows
 
 
-def scaling_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| ranks x threads | tokens/s | speedup | s/step | MFU | node PSS GB | PSS ratio | "
-             "peak RSS GB/rank |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['ranks']} x {r['threads']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['s_per_step']:.2f} | {r['mfu']:.1%} | "
-                     f"{r['node_pss_gb']:.2f} | {r['pss_ratio']:.2f}x | "
-                     f"{max(r['peak_rss_gb']):.2f} |")
-    return "\n".join(lines)
+def scaling_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The figures of each rank count that go into the scaling table."""
+    base = rows[0]
+    return [{"world_size": r["world_size"], "tokens_per_s": r["tokens_per_s"],
+             "threads_per_rank": r["threads"], "s_per_step": round(r["s_per_step"], 3),
+             "mfu": round(r["mfu"], 3), "node_pss_gb": round(r["node_pss_gb"], 2),
+             "pss_vs_first": round(r["node_pss_gb"] / base["node_pss_gb"], 2),
+             "peak_rss_gb_per_rank": round(max(r["peak_rss_gb"]), 2)} for r in rows]
 
 
-def write_scaling(rows: list[dict[str, Any]], out_dir: Path) -> None:
-    """scaling.md, scaling.json and a PNG (cpudist.plots.write_scaling_report when present)."""
+def write_scaling(rows: list[dict[str, Any]], out_dir: Path) -> Path:
+    """scaling.json (every figure), scaling.md and scaling.png (cpudist.plots); returns the .md."""
+    from cpudist.plots import write_scaling_report
+
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "scaling.json").write_text(json.dumps(rows, indent=1))
-    try:
-        from cpudist.plots import write_scaling_report  # type: ignore[attr-defined]
-    except ImportError:
-        write_scaling_report = None
-    if write_scaling_report is not None:
-        write_scaling_report(rows, out_dir)
-        if (out_dir / "scaling.md").exists():
-            return
-    (out_dir / "scaling.md").write_text(scaling_table(rows) + "\n")
-    if write_scaling_report is None:
-        _scaling_png(rows, out_dir / "scaling.png")
-
-
-def _scaling_png(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ranks = [r["ranks"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    left.plot(ranks, [r["tokens_per_s"] for r in rows], "o-")
-    left.set(xlabel="ranks (threads split between them)", ylabel="tokens/s", xticks=ranks,
-             title="throughput")
-    right.plot(ranks, [r["node_pss_gb"] for r in rows], "o-", color="tab:orange")
-    right.set(xlabel="ranks", ylabel="GB", xticks=ranks, title="node PSS")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    md_path, _ = write_scaling_report(scaling_rows(rows), out_dir)
+    return md_path
 
 
 # --------------------------------------------------------------------------- command line
@@ -728,9 +696,10 @@ def scaling_main(ns: argparse.Namespace) -> int:
     from cpudist.cluster import physical_cores
 
     total = ns.total_threads or physical_cores()
-    rows = run_scaling(config_path, overrides, args, counts, total, ns.allocator, ns.out)
-    print(scaling_table(rows))
-    print(f"\nwritten: {ns.out}/scaling.md, scaling.json, scaling.png")
+    rows = run_scaling(config_path, overrides, args, counts, total, ns.allocator)
+    md_path = write_scaling(rows, ns.out)
+    print(md_path.read_text())
+    print(f"written: {md_path}, {ns.out / 'scaling.json'}, {ns.out / 'scaling.png'}")
     if ns.json:
         ns.json.write_text(json.dumps(rows, indent=1))
     return 0
