@@ -58,15 +58,24 @@ def _int(env: Mapping[str, str], *names: str) -> int | None:
 
 
 def _slurm_local_size(env: Mapping[str, str]) -> int | None:
-    # SLURM_TASKS_PER_NODE looks like "4(x2),3"; the node's own count is SLURM_NTASKS_PER_NODE when
-    # set, else the first group (homogeneous allocations are what cpudist supports).
+    # SLURM_TASKS_PER_NODE looks like "4(x2),3": 4 tasks on each of the first two nodes, 3 on the
+    # third; this node's entry is picked by SLURM_NODEID.
     direct = _int(env, "SLURM_NTASKS_PER_NODE")
     if direct is not None:
         return direct
     spec = env.get("SLURM_TASKS_PER_NODE")
-    if spec:
-        return int(spec.split(",")[0].split("(")[0])
-    return None
+    if not spec:
+        return None
+    per_node: list[int] = []
+    try:
+        for group in spec.split(","):
+            count, _, repeat = group.partition("(x")
+            per_node += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    except ValueError:
+        raise UserError(f"environment variable SLURM_TASKS_PER_NODE={spec!r} is not in Slurm's "
+                        "'N(xM),K' form") from None
+    node = _int(env, "SLURM_NODEID") or 0
+    return per_node[node] if node < len(per_node) else per_node[-1]
 
 
 def detect_placement(env: Mapping[str, str] | None = None) -> Placement:
@@ -77,11 +86,16 @@ def detect_placement(env: Mapping[str, str] | None = None) -> Placement:
         local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
         local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
         launcher = "openmpi"
-    elif "PMI_RANK" in env and "SLURM_PROCID" not in env:
+    elif "PMI_RANK" in env:
+        # PMI is authoritative even inside a Slurm allocation: hydra's proxies are started by srun
+        # and leak SLURM_PROCID (the node index) into the ranks.
         rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
         local_rank = _int(env, "MPI_LOCALRANKID")
         local_size = _int(env, "MPI_LOCALNRANKS")
         launcher = "hydra"
+        if local_rank is None and "SLURM_STEP_ID" in env:  # srun --mpi=pmi2 started the ranks
+            local_rank, local_size = _int(env, "SLURM_LOCALID"), _slurm_local_size(env)
+            launcher = "slurm"
     elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
         # Only inside an srun step: a batch script alone also has SLURM_PROCID=0.
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
@@ -95,7 +109,9 @@ def detect_placement(env: Mapping[str, str] | None = None) -> Placement:
         launcher = "torchrun"
     else:
         return Placement(0, 1, 0, 1, "single")
-    assert rank is not None and world is not None
+    if rank is None or world is None:
+        raise UserError(f"launched by {launcher} but its rank or world size variable is empty; "
+                        "start cpudist through mpirun, srun or torchrun unchanged")
     if local_rank is None or local_size is None:
         # Launcher did not say how many ranks share this node: assume one per node.
         local_rank, local_size = 0, 1
@@ -347,3 +363,8 @@ def configure_logging(placement: Placement, debug: bool = False) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+    # Python warnings from libraries go through the same handler, so they carry the rank prefix.
+    logging.captureWarnings(True)
+    py_warnings = logging.getLogger("py.warnings")
+    py_warnings.handlers[:] = [handler]
+    py_warnings.propagate = False

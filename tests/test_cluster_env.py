@@ -100,10 +100,6 @@ def test_malformed_values(env: dict[str, str]) -> None:
         detect_placement(env)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cluster.py bug (reported to lead): MPICH/Intel MPI hydra inside a Slurm allocation launches "
-    "its proxies with srun, so ranks inherit SLURM_PROCID=<node index>/SLURM_STEP_ID; the "
-    "PMI_RANK branch is skipped and rank/world come out as node index/node count"))
 def test_hydra_inside_slurm_allocation() -> None:
     env = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
            # inherited from the srun that started hydra_pmi_proxy on node 1 (one per node)
@@ -128,3 +124,18 @@ def test_real_openmpi_environment() -> None:
     assert done.returncode == 0, done.stderr
     seen = sorted(json.loads(line) for line in done.stdout.splitlines() if line.startswith("["))
     assert seen == [[0, 2, 0, 2, "openmpi"], [1, 2, 1, 2, "openmpi"]]
+
+
+@pytest.mark.parametrize(("spec", "node", "expected"), [("4(x2),3", "2", 3), ("4(x2),3", "1", 4),
+                                                         ("3,1", "1", 1)])
+def test_slurm_local_size_follows_this_nodes_group(spec: str, node: str, expected: int) -> None:
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "11", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0",
+           "SLURM_TASKS_PER_NODE": spec, "SLURM_NODEID": node}
+    assert detect_placement(env).local_size == expected
+
+
+def test_empty_world_size_is_a_user_error() -> None:
+    from cpudist.errors import UserError
+
+    with pytest.raises(UserError, match="rank or world size"):
+        detect_placement({"PMI_RANK": "0", "PMI_SIZE": ""})
