@@ -14,38 +14,39 @@ from collections.abc import Sequence
 
 from cpudist.errors import UserError
 
-# Modules that register sub-commands, in the order they appear in --help.
-COMMAND_MODULES = [
-    "cpudist.commands.train",
-    "cpudist.commands.env",
-    "cpudist.launcher",
-    "cpudist.hostfile",
-    "cpudist.bench",
-    "cpudist.tools",
-    "cpudist.plots",
-]
+# Sub-command -> module that registers it, in --help order. Only the module of the command being
+# run is imported, so `cpudist launch` or `hostfile check` start without loading torch.
+COMMANDS = {
+    "train": "cpudist.commands.train",
+    "env": "cpudist.commands.env",
+    "launch": "cpudist.launcher",
+    "hostfile": "cpudist.hostfile",
+    "bench": "cpudist.bench",
+    "scaling": "cpudist.bench",
+    "merge": "cpudist.tools",
+    "generate": "cpudist.tools",
+    "eval": "cpudist.tools",
+    "report": "cpudist.plots",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cpudist",
         description="LoRA fine-tuning of Hugging Face causal LMs on CPUs, one laptop to a cluster.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # that command is not part of this build
-                continue
-            raise
-        module.register(subparsers)
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    wanted = COMMANDS.get(words[0]) if words else None
+    modules = [wanted] if wanted else list(dict.fromkeys(COMMANDS.values()))
+    for name in modules:
+        importlib.import_module(name).register(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("CPUDIST_DEBUG") == "1"
     try:
