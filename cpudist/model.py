@@ -187,10 +187,10 @@ def build_model(config: ModelConfig, lora: LoraConfig) -> tuple[nn.Module, Any, 
     if config.share_frozen_weights:
         from cpudist.shared_weights import share_frozen_weights
 
-        shared = share_frozen_weights(base, path)
+        shared, source = share_frozen_weights(base, path, Path(config.cache_dir).expanduser())
         if shared:
             log.info("frozen weights: %d tensors mapped read-only from %s (shared by the node's "
-                     "ranks)", shared, path)
+                     "ranks)", shared, source)
     model = apply_lora(base, lora)
     if config.gradient_checkpointing:
         enable_activation_checkpointing(model)
