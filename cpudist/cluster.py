@@ -326,7 +326,9 @@ def mpi_allreduce_hook(nonblocking: bool = False) -> Any:
     comm = MPI.COMM_WORLD
     world = comm.Get_size()
 
-    def hook(_state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    # No annotations on bucket or the result: DDP's register_comm_hook rejects any but the classes
+    # themselves, and under `from __future__ import annotations` every annotation is a string.
+    def hook(_state: Any, bucket):  # type: ignore[no-untyped-def]
         buffer = bucket.buffer()
         array = buffer.numpy()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()

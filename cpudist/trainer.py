@@ -162,7 +162,9 @@ class StopFlag:
     def __init__(self, enabled: bool) -> None:
         self.signal: int | None = None
         if enabled:
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            # SIGUSR1 too: Open MPI's mpirun forwards it to every rank without killing them, while
+            # on SIGTERM/SIGINT it sends the ranks SIGTERM and then SIGKILL 0.25 s later.
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
                 signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame: Any) -> None:
@@ -264,8 +266,43 @@ def train(config: Config, debug: bool = False) -> dict[str, Any] | None:
                                   config.dist.timeout_s)
     try:
         return _train(config, placement, threads, cpus, comm)
+    except RuntimeError as exc:
+        if not placement.distributed or debug or not _lost_peer(exc):
+            raise
+        log.error("error: lost contact with the other ranks (%s). A rank died, hung or was stopped, "
+                  "or the network failed; see the other ranks' output (mpirun names a rank that "
+                  "died). Continue from the newest checkpoint with train.resume=auto",
+                  _first_line(exc))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # No clean shutdown: destroying the group or MPI_Finalize would wait for the lost peer.
+        os._exit(1)
     finally:
         shutdown()
+
+
+def _lost_peer(exc: BaseException) -> bool:
+    """A collective failed because a peer vanished or did not answer within dist.timeout_s."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(
+        marker in text for marker in ("gloo", "Connection reset", "Connection closed", "Timed out"))
+
+
+def _first_line(exc: BaseException) -> str:
+    line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    # Drop gloo's "[/path/to/pair.cc:537] " source location and its chatty advice.
+    if line.startswith("[") and "] " in line:
+        line = line.split("] ", 1)[1]
+    return line.split(". This is typically", 1)[0][:200]
+
+
+def fault_nan_steps() -> set[int]:
+    """Test hook: CPUDIST_FAULT_NAN_AT_STEP=3,4 makes the loss of those steps NaN on this rank.
+
+    The one place a fault-injection variable is read (documented in docs/OPERATIONS.md).
+    """
+    raw = os.environ.get("CPUDIST_FAULT_NAN_AT_STEP", "")
+    return {int(part) for part in raw.split(",") if part.strip().isdigit()}
 
 
 def _train(config: Config, placement: Placement, threads: int, cpus: list[int] | None,
@@ -325,7 +362,7 @@ def _train(config: Config, placement: Placement, threads: int, cpus: list[int] |
         step_module = torch.compile(step_module)
 
     state = ckpt.TrainState(world_size=world)
-    resume_from = ckpt.find_resume(tc.resume, out / "checkpoints") if placement.is_main else None
+    resume_from = rank0_only(placement, lambda: ckpt.find_resume(tc.resume, out / "checkpoints"))
     resume_path = _broadcast(placement, str(resume_from) if resume_from else None)
     if resume_path:
         state = _restore(Path(resume_path), peft_model, optimizer, param_names, scheduler,
@@ -341,6 +378,7 @@ def _train(config: Config, placement: Placement, threads: int, cpus: list[int] |
         metrics = MetricsLog(out / "metrics.jsonl", state.step if resume_path else None,
                              out / "tensorboard" if config.output.tensorboard else None)
     stop = StopFlag(tc.save_on_signal)
+    nan_steps = fault_nan_steps()
     summary: dict[str, Any] = {"world_size": world, "threads_per_rank": threads,
                                "dtype": dtype_reason, "communication": comm,
                                "global_batch": tc.batch_size * tc.grad_accum * world,
@@ -379,6 +417,8 @@ def _train(config: Config, placement: Placement, threads: int, cpus: list[int] |
                        and hasattr(step_module, "no_sync") else contextlib.nullcontext())
             with no_sync, autocast():
                 loss_sum, _ = step_module(**batch.as_kwargs())
+                if state.step + 1 in nan_steps:
+                    loss_sum = loss_sum * float("nan")
                 (loss_sum * scale).backward()
             loss_local += float(loss_sum.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -436,9 +476,10 @@ def _train(config: Config, placement: Placement, threads: int, cpus: list[int] |
     progress.close()
     wall = state.elapsed_s + time.perf_counter() - started
     if stopped_by:
-        command = " ".join(shlex.quote(a) for a in sys.argv)
-        log.info("stopped by signal %d after step %d; checkpoint saved. Resume with:\n  %s "
-                 "train.resume=auto", stopped_by, state.step, command)
+        log.info("stopped by signal %d (%s) after step %d; checkpoint saved in %s. Resume with the "
+                 "same launch command (same number of ranks) plus train.resume=auto:\n  %s",
+                 stopped_by, signal.Signals(stopped_by).name, state.step, out / "checkpoints",
+                 _resume_command())
         return None
 
     if last_saved != state.step:
@@ -473,6 +514,12 @@ def _train(config: Config, placement: Placement, threads: int, cpus: list[int] |
 
         write_report(out)
     return summary
+
+
+def _resume_command() -> str:
+    """This process's command line as `cpudist ...` with train.resume=auto."""
+    args = [a for a in sys.argv[1:] if not a.startswith("train.resume=")]
+    return " ".join(shlex.quote(a) for a in ["cpudist", *args, "train.resume=auto"])
 
 
 def _cpu_list(cpus: list[int] | None) -> str:
