@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from cpudist.errors import UserError
@@ -159,11 +160,12 @@ def save_checkpoint(root: Path, model: Any, optimizer: torch.optim.Optimizer,
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(root)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
         previous = checkpoint_dirs(root)
         kept = f"; the previous checkpoint {previous[-1]} is intact" if previous else ""
-        raise UserError(f"could not write checkpoint {final}: {exc.strerror or exc}{kept}. Free "
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise UserError(f"could not write checkpoint {final}: {reason}{kept}. Free "
                         "disk space or fix permissions, then resume with train.resume=auto") from exc
     for old in checkpoint_dirs(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
