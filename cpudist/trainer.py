@@ -442,12 +442,6 @@ def _train(config: Config, placement: Placement, threads: int, cpus: list[int] |
         state.step_in_epoch += 1
         state.tokens_seen += int(fed_tokens)
         tokens_this_run += int(fed_tokens)
-        if state.bad_steps_in_a_row >= tc.max_bad_steps:
-            raise UserError(
-                f"{state.bad_steps_in_a_row} steps in a row had a non-finite loss or gradient "
-                f"(step {state.step}); lower train.lr, check the data, or use model.dtype=float32. "
-                "No checkpoint with non-finite weights was written."
-            )
         last_loss = loss if finite else last_loss
         step_time = time.perf_counter() - step_started
         record = {
@@ -461,6 +455,12 @@ def _train(config: Config, placement: Placement, threads: int, cpus: list[int] |
         if metrics is not None and (state.step % tc.log_every == 0 or "val_loss" in record):
             metrics.write(record)
         progress.update(state.step, loss, record["tokens_per_s"], record["lr"])
+        if state.bad_steps_in_a_row >= tc.max_bad_steps:
+            raise UserError(
+                f"{state.bad_steps_in_a_row} steps in a row had a non-finite loss or gradient "
+                f"(step {state.step}); lower train.lr, check the data, or use model.dtype=float32. "
+                "No checkpoint with non-finite weights was written."
+            )
         if "val_loss" in record:
             progress.write(f"step {state.step}: validation loss {record['val_loss']:.4f}")
         (stop_votes,) = allreduce([float(stop.signal is not None)], placement, op="max")
