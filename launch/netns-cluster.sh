@@ -14,6 +14,8 @@
 #
 # Start MPI inside the first node, with the launch agent next to this script:
 #   ip netns exec node0 mpirun --mca plm_rsh_agent launch/netns-agent.sh --hostfile H ...
+# The nodes share this machine's cores, which MPI cannot see: give the ranks OMP_WAIT_POLICY=PASSIVE
+# (cpudist launch forwards it when set), or spinning OpenMP threads make every step ~10x slower.
 set -eu
 IFNAME="${IFNAME:-cpd0}"
 SUBNET=10.250.0

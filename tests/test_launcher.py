@@ -84,6 +84,7 @@ def test_openmpi_single_node_binds_cores_per_rank() -> None:
     assert "KMP_AFFINITY=granularity=fine,compact,1,0" in exports
     assert "KMP_BLOCKTIME=1" in exports
     assert "--allow-run-as-root" not in cmd and "--oversubscribe" not in cmd
+    assert not any(e.startswith("OMP_WAIT_POLICY") for e in exports)  # own cores: spin is fine
     assert tail(cmd) == [PY, "-m", "cpudist.cli", *PROGRAM]
 
 
@@ -104,6 +105,19 @@ def test_openmpi_more_ranks_than_cores_unbinds_and_oversubscribes() -> None:
     assert "OMP_NUM_THREADS=1" in exports
     # compact pinning without a per-rank mask would stack every rank on the same cores
     assert not any(e.startswith("KMP_AFFINITY") for e in exports)
+    # ranks share cores: OpenMP threads must not spin-wait
+    assert "OMP_WAIT_POLICY=PASSIVE" in exports
+
+
+def test_users_omp_wait_policy_is_forwarded_not_overridden() -> None:
+    cmd = build_command(OMPI, 4, PROGRAM, python=PY, cores_per_node=2,
+                        forward=["PATH", "OMP_WAIT_POLICY"])
+    exports = pairs(cmd, "-x")
+    assert "OMP_WAIT_POLICY" in exports
+    assert "OMP_WAIT_POLICY=PASSIVE" not in exports
+    cmd = build_command(INTEL, 4, PROGRAM, python=PY, cores_per_node=2, forward=["OMP_WAIT_POLICY"])
+    assert pairs(cmd, "-genvlist") == ["OMP_WAIT_POLICY"]
+    assert "OMP_WAIT_POLICY" not in {cmd[i + 1] for i, a in enumerate(cmd) if a == "-genv"}
 
 
 def test_openmpi_threads_override_that_does_not_fit() -> None:
@@ -193,6 +207,7 @@ def test_intel_pins_with_domain_not_bind_to() -> None:
     cmd = build_command(INTEL, 4, PROGRAM, python=PY, cores_per_node=2)
     genv = {cmd[i + 1]: cmd[i + 2] for i, a in enumerate(cmd) if a == "-genv"}
     assert genv["I_MPI_PIN"] == "0" and "I_MPI_PIN_DOMAIN" not in genv
+    assert genv["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
 def test_prepare_hostfile_converts_to_the_mpi_syntax(tmp_path: Path) -> None:
