@@ -11,8 +11,10 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import shutil
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +58,8 @@ def _chatterbot_to_jsonl(language: str, target: Path) -> None:
                     seen.add((question, answer))
                     rows.append({"messages": [{"role": "user", "content": question},
                                               {"role": "assistant", "content": answer}]})
-    tmp = target.with_suffix(".tmp")
+    # Unique per process: nodes sharing a filesystem each hold only their own node's lock.
+    tmp = target.with_name(f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows),
                    encoding="utf-8")
     tmp.replace(target)
@@ -310,13 +313,16 @@ def load_tokenized(path: Path, tokenizer: Any, config: DataConfig) -> tuple[Toke
                     f"{config.max_length} ({stats.truncated} of {stats.samples} truncated); "
                     "raise data.max_length or shorten the prompts"
                 )
-            tmp = cache.with_name(cache.name + ".tmp")
+            tmp = cache.with_name(f".{cache.name}.tmp-{socket.gethostname()}-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             datasets.Dataset.from_dict({"input_ids": split.input_ids, "labels": split.labels}
                                        ).save_to_disk(str(tmp))
             (tmp / "stats.json").write_text(json.dumps(stats.__dict__))
-            shutil.rmtree(cache, ignore_errors=True)
-            tmp.rename(cache)
+            if (cache / "stats.json").exists():  # another node on a shared filesystem won the race
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                shutil.rmtree(cache, ignore_errors=True)  # a half-written leftover
+                tmp.rename(cache)
     table = datasets.load_from_disk(str(cache))
     stats = json.loads((cache / "stats.json").read_text())
     return TokenizedSplit(table["input_ids"], table["labels"]), stats
