@@ -17,6 +17,7 @@ from typing import Any
 from cpudist.errors import UserError
 
 PLOTS = ("loss.png", "lr.png", "throughput.png")
+_SMOOTH = 10  # steps in the running mean of the train loss
 
 
 def _pyplot() -> Any:
@@ -109,9 +110,15 @@ def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir:
         val_steps, val_loss = [0.0, *val_steps], [float(summary["val_loss_before"]), *val_loss]
     lr_steps, lr = _series(records, "lr")
     tps_steps, tps = _series(records, "tokens_per_s")
+    loss_lines = [("train", train_steps, train_loss)]
+    if len(train_loss) >= 2 * _SMOOTH:
+        # Per-step loss of small batches is noisy; a running mean shows the trend.
+        means = [sum(train_loss[max(0, i - _SMOOTH + 1) : i + 1]) / (i + 1 - max(0, i - _SMOOTH + 1))
+                 for i in range(len(train_loss))]
+        loss_lines.append((f"train (mean of last {_SMOOTH})", train_steps, means))
+    loss_lines.append(("validation", val_steps, val_loss))
     return [
-        _line_plot(out_dir / "loss.png", "loss", "cross-entropy per label token",
-                   [("train", train_steps, train_loss), ("validation", val_steps, val_loss)]),
+        _line_plot(out_dir / "loss.png", "loss", "cross-entropy per label token", loss_lines),
         _line_plot(out_dir / "lr.png", "learning rate", "lr", [("lr", lr_steps, lr)]),
         _line_plot(out_dir / "throughput.png", "throughput (all ranks)", "tokens/s",
                    [("tokens/s", tps_steps, tps)]),

@@ -151,3 +151,18 @@ def test_json_that_is_not_a_list(tokenizer, tmp_path: Path) -> None:  # noqa: AN
     path.write_text(json.dumps(messages_rows()[0]))
     with pytest.raises(UserError, match="must be a list of objects"):
         load_tokenized(path, tokenizer, DataConfig(cache_dir=str(tmp_path / "c")))
+
+
+def test_chinese_quickstart_config_reads_the_chinese_corpus(tokenizer, tmp_path: Path) -> None:  # noqa: ANN001
+    from cpudist.config import load_config
+
+    config = load_config(Path(__file__).parents[1] / "configs" / "chinese-quickstart.yaml",
+                         [f"data.cache_dir={tmp_path / 'cache'}"])
+    assert config.output.dir != load_config(None).output.dir  # never mixes with the quickstart
+    train, val, stats = build_datasets(config.data, tokenizer, config.train.seed)
+    assert len(train) + len(val) == stats["samples"] - stats["dropped_no_labels"] > 100
+    assert len(val) == round(config.data.val_fraction * (len(train) + len(val)))
+    answers = [tokenizer.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE])
+               for ids, labels in zip(val.input_ids, val.labels, strict=True)]
+    chinese = sum(any("\u4e00" <= ch <= "\u9fff" for ch in answer) for answer in answers)
+    assert chinese > 0.9 * len(answers)
