@@ -202,14 +202,13 @@ def find_resume(resume: str | None, root: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
-    from peft.utils import load_peft_weights
-
     try:
         payload = json.loads((path / "state.json").read_text())
-        adapter = load_peft_weights(str(path / "adapter"), device="cpu")
+        # Straight from safetensors: peft's loader would fall back to unpickling adapter_model.bin.
+        adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"))
         optimizer = load_file(str(path / "optimizer.safetensors"))
         rng = load_file(str(path / "rng.safetensors"))
-    except (OSError, ValueError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:
         raise UserError(f"checkpoint {path} is unreadable ({exc}); resume from an older one with "
                         "train.resume=PATH") from exc
     train = TrainState(**payload["train"])

@@ -121,6 +121,7 @@ def load_base_model(config: ModelConfig, path: Path) -> tuple[nn.Module, str]:
             dtype=torch_dtype(dtype_name),
             trust_remote_code=config.trust_remote_code,
             attn_implementation=config.attn_implementation,
+            use_safetensors=True,  # never unpickle weights (pytorch_model.bin) from a model dir
         )
     except ValueError as exc:
         message = str(exc).splitlines()[0][:300]

@@ -87,6 +87,9 @@ def test_single_process_resume_is_exact(tiny_llama: Path, chat_file: Path, tmp_p
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     at = stopped_step(stopped.stdout)
     assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step-{at}"]
+    # Nothing a loader would have to unpickle: tensors in safetensors, the rest JSON/YAML/text.
+    files = [p for p in (out / "checkpoints").rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} <= {".safetensors", ".json", ".yaml", ".md"}, files
     assert "Resume with the same launch command" in stopped.stdout
     assert "cpudist train " in stopped.stdout and "train.resume=auto" in stopped.stdout
 
