@@ -365,8 +365,14 @@ def _train(config: Config, placement: Placement, threads: int, cpus: list[int] |
     resume_from = rank0_only(placement, lambda: ckpt.find_resume(tc.resume, out / "checkpoints"))
     resume_path = _broadcast(placement, str(resume_from) if resume_from else None)
     if resume_path:
-        state = _restore(Path(resume_path), peft_model, optimizer, param_names, scheduler,
-                         placement)
+        # Every rank reads the checkpoint (on another node it may be missing): fail together.
+        restore_error = None
+        try:
+            state = _restore(Path(resume_path), peft_model, optimizer, param_names, scheduler,
+                             placement)
+        except UserError as exc:
+            restore_error = str(exc)
+        agree_on_error(placement, restore_error)
         log.info("resumed from %s at step %d", resume_path, state.step)
     elif tc.resume is not None and tc.resume != "auto":
         raise UserError(f"train.resume={tc.resume!r}: not a checkpoint")
