@@ -264,6 +264,10 @@ def train(config: Config, debug: bool = False) -> dict[str, Any] | None:
         comm = init_process_group(placement, config.dist.backend, config.dist.master_addr,
                                   config.dist.master_port, config.dist.interface,
                                   config.dist.timeout_s)
+        if config.dist.backend == "mpi":
+            comm += ("; DDP comm hook: non-blocking MPI Iallreduce" if config.dist.mpi_nonblocking
+                     else "; DDP comm hook: MPI Allreduce")
+        comm += f"; collective timeout {config.dist.timeout_s:g} s"
     try:
         return _train(config, placement, threads, cpus, comm)
     except RuntimeError as exc:

@@ -65,6 +65,7 @@ def test_two_ranks_match_one_rank_and_only_rank0_writes(tiny_llama: Path, tmp_pa
     assert "global batch: 8 = 2 per rank x 2 accumulation x 2 ranks" in log
     assert "communication: backend=mpi->gloo (requested mpi: gloo for setup, gradient allreduce " \
            "through mpi4py)" in log
+    assert "; DDP comm hook: MPI Allreduce; collective timeout 300 s" in log
     # tokens/s counts the whole job's tokens (summed over ranks), not rank 0's half.
     def tokens_first_step(out: Path) -> float:
         first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
