@@ -19,13 +19,13 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpudist.trainer import train
-
     config_path = args.config
     overrides = list(args.overrides)
     if config_path is not None and "=" in config_path:  # only overrides were given
         overrides.insert(0, config_path)
         config_path = None
     config = load_config(config_path, overrides)
+    from cpudist.trainer import train  # torch loads in seconds: config errors come first
+
     train(config, debug=args.debug)
     return 0
