@@ -249,11 +249,13 @@ def register(subparsers: Any) -> None:
                     "chat template the way training renders a user turn.")
     _add_model_args(gen)
     gen.add_argument("prompt", help="the user message")
-    gen.add_argument("--system", help="system message (as data.system_prompt in training)")
+    gen.add_argument("--system", help="system message (default: data.system_prompt of the "
+                                      "adapter's run)")
     gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     gen.add_argument("--temperature", type=float, default=0.0,
                      help="0 = greedy (default); above 0 samples")
-    gen.add_argument("--dtype", choices=_DTYPES, default=ModelConfig().dtype)
+    gen.add_argument("--dtype", choices=_DTYPES, help="model.dtype (default: the adapter's run, "
+                                                      "else auto)")
     gen.set_defaults(func=_run_generate)
 
     ev = subparsers.add_parser(
@@ -263,13 +265,15 @@ def register(subparsers: Any) -> None:
     _add_model_args(ev)
     ev.add_argument("--data", required=True, metavar="FILE",
                     help=".jsonl/.json/.parquet, a saved datasets directory, or chatterbot:english")
-    ev.add_argument("--format", choices=_FORMATS, default=DataConfig().format)
-    ev.add_argument("--max-length", type=int, default=DataConfig().max_length, metavar="N")
-    ev.add_argument("--batch-size", type=int, default=TrainConfig().batch_size, metavar="N")
+    # Unset data/model settings come from the config of the run that wrote --adapter (so the
+    # numbers match its validation log), else from the schema defaults.
+    ev.add_argument("--format", choices=_FORMATS, help="data.format")
+    ev.add_argument("--max-length", type=int, metavar="N", help="data.max_length")
+    ev.add_argument("--batch-size", type=int, metavar="N", help="train.batch_size")
     ev.add_argument("--max-batches", type=int, default=None, metavar="N",
                     help="evaluate only the first N batches (as train.eval_batches)")
-    ev.add_argument("--system", help="system message (as data.system_prompt in training)")
-    ev.add_argument("--dtype", choices=_DTYPES, default=ModelConfig().dtype)
+    ev.add_argument("--system", help="data.system_prompt")
+    ev.add_argument("--dtype", choices=_DTYPES, help="model.dtype")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(func=_run_eval)
 
@@ -287,8 +291,47 @@ def _run_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+# Flag -> (section, key) of the config it stands for.
+_RUN_SETTINGS = {"format": ("data", "format"), "max_length": ("data", "max_length"),
+                 "batch_size": ("train", "batch_size"), "system": ("data", "system_prompt"),
+                 "dtype": ("model", "dtype")}
+
+
+def run_config(adapter: str | None) -> tuple[Config | None, Path | None]:
+    """The config of the run that wrote the adapter: OUTPUT/config.yaml or step-N/config.yaml."""
+    from cpudist.config import load_config
+
+    if not adapter:
+        return None, None
+    path = resolve_adapter(adapter).parent / "config.yaml"
+    if not path.is_file():
+        return None, None
+    try:
+        return load_config(path), path
+    except UserError as exc:
+        print(f"note: ignoring {path} ({exc}); using default settings", file=sys.stderr)
+        return None, None
+
+
+def fill_from_run(args: argparse.Namespace, names: list[str]) -> None:
+    """Set the flags the user left out from the adapter's run config (else schema defaults)."""
+    config, path = run_config(args.adapter)
+    taken = []
+    for name in names:
+        if getattr(args, name) is not None:
+            continue
+        section, key = _RUN_SETTINGS[name]
+        value = getattr(getattr(config or Config(), section), key)
+        setattr(args, name, value)
+        if config is not None and value is not None:
+            taken.append(f"{section}.{key}={value}")
+    if taken:
+        print(f"from {path}: {', '.join(taken)}", file=sys.stderr)
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     _quiet()
+    fill_from_run(args, ["system", "dtype"])
     if args.max_new_tokens <= 0:
         raise UserError("--max-new-tokens must be at least 1")
     model, tokenizer, dtype_reason = load_model(args.base, args.adapter, args.dtype)
@@ -300,6 +343,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _run_eval(args: argparse.Namespace) -> int:
     _quiet()
+    fill_from_run(args, ["format", "max_length", "batch_size", "system", "dtype"])
     result = evaluate_file(args.base, args.adapter, args.data, args.format, args.max_length,
                            args.batch_size, args.dtype, args.system, args.max_batches)
     if args.json:

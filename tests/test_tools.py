@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -151,11 +152,24 @@ def test_eval_reproduces_the_trainers_validation_numbers(trained: dict) -> None:
     assert correct > 0, "the tiny run should have learnt some tokens; the check would be empty"
     assert after["loss"] == pytest.approx(loss_sum / count, rel=1e-4)
 
-    # The plain-text form prints the same figures.
-    text = evaluate_file(str(trained["base"]), str(trained["out"]), str(trained["val"]), "chat",
-                         64, 2, "float32")  # OUTPUT/ resolves to OUTPUT/adapter; batching is free
-    assert text["loss"] == pytest.approx(after["loss"], rel=1e-4)
-    assert math.isclose(text["token_accuracy"], after["token_accuracy"])
+    # Batching does not change the figures (OUTPUT/ itself resolves to OUTPUT/adapter).
+    other = evaluate_file(str(trained["base"]), str(trained["out"]), str(trained["val"]), "chat",
+                          64, 2, "float32")
+    assert other["loss"] == pytest.approx(after["loss"], rel=1e-4)
+    assert math.isclose(other["token_accuracy"], after["token_accuracy"])
+
+
+def test_eval_takes_unset_settings_from_the_adapters_run(trained: dict,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    # No --format/--max-length/--batch-size/--dtype: the run's config.yaml supplies them
+    # (max_length 64 and float32 here, not the schema defaults 512 and auto).
+    assert main(["eval", "--base", str(trained["base"]), "--adapter", str(trained["out"] / "adapter"),
+                 "--data", str(trained["val"])]) == 0
+    captured = capsys.readouterr()
+    assert "data.max_length=64" in captured.err and "model.dtype=float32" in captured.err
+    loss = float(re.search(r"^loss (\S+)", captured.out, re.M).group(1))  # type: ignore[union-attr]
+    assert loss == pytest.approx(trained["summary"]["val_loss_after"], abs=1e-4)
+    assert "token accuracy" in captured.out and "perplexity" in captured.out
 
 
 def test_generation_prompt_is_the_training_prompt(tokenizer_dir: Path) -> None:
