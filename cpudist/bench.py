@@ -565,6 +565,28 @@ def run_vs_hf(config_path: str | None, overrides: list[str], args: BenchArgs, co
     return {"cpudist": best["cpudist"], "hf": best["hf"], "ratios": ratios, "rounds": runs}
 
 
+def plot_vs(outcome: dict[str, Any], path: Path) -> None:
+    """Bar chart of cpudist / HF for each figure (above 1 = cpudist higher)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {key: label for key, label, _ in FIGURES}
+    keys = [k for k in outcome["ratios"] if k != "padding_fraction"]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    bars = ax.bar([labels[k] for k in keys], [outcome["ratios"][k] for k in keys])
+    ax.bar_label(bars, fmt="%.2fx")
+    ax.axhline(1.0, color="grey", linestyle="--")
+    ax.set_ylabel("cpudist / HF Trainer")
+    ax.set_title(f"cpudist vs HF Trainer+PEFT: {outcome['cpudist']['data'].split(':')[0]}, "
+                 f"{outcome['cpudist']['dtype'].split(':')[0]}")
+    ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _flag_args(args: BenchArgs) -> list[str]:
     flags = ["--data", args.data, "--steps", str(args.steps), "--warmup", str(args.warmup)]
     for flag, value in (("--preset", args.preset), ("--layers", args.layers),
@@ -579,7 +601,8 @@ def _flag_args(args: BenchArgs) -> list[str]:
 
 
 def run_scaling(config_path: str | None, overrides: list[str], args: BenchArgs,
-                counts: list[int], total_threads: int, allocator: str) -> list[dict[str, Any]]:
+                counts: list[int], total_threads: int, allocator: str, per_rank_batch: bool = False
+                ) -> list[dict[str, Any]]:
     """The bench under mpirun at each rank count, threads split between the ranks; the mpirun
     command (binding, thread variables, allocator preload) is the one `cpudist launch` builds."""
     from cpudist.launcher import build_command, choose_allocator, detect_mpi
@@ -590,8 +613,15 @@ def run_scaling(config_path: str | None, overrides: list[str], args: BenchArgs,
     rows = []
     for np in counts:
         threads = max(1, total_threads // np)
-        program = ["bench"] + ([config_path] if config_path else []) + [
-            *overrides, *_flag_args(BenchArgs(**{**args.__dict__, "threads": threads}))]
+        batch = args.batch_size
+        if batch and not per_rank_batch:
+            # Same global batch at every rank count: each rank gets its share.
+            if batch % np:
+                raise UserError(f"--batch-size {batch} does not split over {np} ranks; choose a "
+                                "multiple of every rank count, or pass --per-rank-batch")
+            batch //= np
+        flags = _flag_args(BenchArgs(**{**args.__dict__, "threads": threads, "batch_size": batch}))
+        program = ["bench"] + ([config_path] if config_path else []) + [*overrides, *flags]
         cmd = build_command(mpi, np, program, python=sys.executable, cores_per_node=total_threads,
                             threads_per_rank=threads, allocator=name, preload=lib,
                             ld_preload=os.environ.get("LD_PRELOAD"),
@@ -605,7 +635,8 @@ def scaling_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The figures of each rank count that go into the scaling table."""
     base = rows[0]
     return [{"world_size": r["world_size"], "tokens_per_s": r["tokens_per_s"],
-             "threads_per_rank": r["threads"], "s_per_step": round(r["s_per_step"], 3),
+             "threads_per_rank": r["threads"],
+             "batch_per_rank": r["config"]["train"]["batch_size"], "s_per_step": round(r["s_per_step"], 3),
              "mfu": round(r["mfu"], 3), "node_pss_gb": round(r["node_pss_gb"], 2),
              "pss_vs_first": round(r["node_pss_gb"] / base["node_pss_gb"], 2),
              "peak_rss_gb_per_rank": round(max(r["peak_rss_gb"]), 2)} for r in rows]
@@ -669,6 +700,8 @@ def bench_main(ns: argparse.Namespace) -> int:
         print(table)
         if ns.json:
             ns.json.write_text(json.dumps(outcome, indent=1))
+            plot_vs(outcome, ns.json.with_suffix(".png"))
+            print(f"written: {ns.json}, {ns.json.with_suffix('.png')}")
         return 0
     if ns.allocator != "none":
         # Preloading must happen before the process starts: run ourselves again with it.
@@ -697,7 +730,10 @@ def scaling_main(ns: argparse.Namespace) -> int:
     from cpudist.cluster import physical_cores
 
     total = ns.total_threads or physical_cores()
-    rows = run_scaling(config_path, overrides, args, counts, total, ns.allocator)
+    if args.batch_size is None and not ns.per_rank_batch:
+        args.batch_size = load_config(config_path, overrides).train.batch_size
+    rows = run_scaling(config_path, overrides, args, counts, total, ns.allocator,
+                       ns.per_rank_batch)
     md_path = write_scaling(rows, ns.out)
     print(md_path.read_text())
     print(f"written: {md_path}, {ns.out / 'scaling.json'}, {ns.out / 'scaling.png'}")
@@ -727,6 +763,9 @@ def register(subparsers: Any) -> None:
     scaling.add_argument("--np", default="1,2", help="rank counts, comma separated (default 1,2)")
     scaling.add_argument("--total-threads", type=int,
                          help="threads shared by the ranks (default: physical cores)")
+    scaling.add_argument("--per-rank-batch", action="store_true",
+                         help="keep --batch-size per rank (default: the global batch is kept and "
+                              "split between the ranks)")
     scaling.add_argument("--out", type=Path, default=Path("runs/scaling"), help="output directory")
     scaling.set_defaults(func=scaling_main)
 

@@ -120,6 +120,7 @@ def test_bench_user_errors(tmp_path: Path) -> None:
 def test_bench_vs_hf_prints_ratios(tiny_qwen: Path, tmp_path: Path) -> None:
     figures, printed = _bench(tiny_qwen, tmp_path, "--vs", "hf")
     assert "cpudist / hf" in printed
+    assert (tmp_path / "bench.png").stat().st_size > 1000
     assert set(figures) >= {"cpudist", "hf", "ratios"}
     hf = figures["hf"]
     assert hf["framework"].startswith("hf-trainer") and hf["steps"] == 2
@@ -145,6 +146,9 @@ def test_scaling_runs_each_rank_count(tiny_qwen: Path, tmp_path: Path) -> None:
     rows = json.loads((out / "scaling.json").read_text())
     assert [r["world_size"] for r in rows] == [1, 2]
     assert [r["threads"] for r in rows] == [2, 1] or rows[0]["threads"] == 1
+    # The global batch (2) is kept: each of the 2 ranks trains on 1 sample per step.
+    assert [r["config"]["train"]["batch_size"] for r in rows] == [2, 1]
+    assert rows[1]["tokens_per_s"] * rows[1]["s_per_step"] == pytest.approx(2 * 32)
     assert len(rows[1]["peak_rss_gb"]) == 2
     assert (out / "scaling.png").stat().st_size > 1000
     assert "| 2 |" in (out / "scaling.md").read_text()
