@@ -110,7 +110,13 @@ def test_merged_model_loads_without_peft_and_matches_base_plus_adapter(
     assert main(["merge", "--base", str(trained["base"]), "--adapter",
                  str(trained["out"] / "adapter"), "--out", str(merged_dir)]) == 2
     assert main(["merge", "--base", str(trained["base"]), "--adapter",
-                 str(trained["out"] / "adapter"), "--out", str(merged_dir), "--force"]) == 0
+                 str(trained["out"] / "adapter"), "--out", str(merged_dir), "--force",
+                 "--dtype", "bfloat16"]) == 0
+    with safe_open(merged_dir / "model.safetensors", "pt") as handle:
+        names = list(handle.keys())
+        assert {handle.get_tensor(name).dtype for name in names} == {torch.bfloat16}
+    half = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    torch.testing.assert_close(_logits(half, ids), merged_logits, atol=0.1, rtol=0.05)
 
 
 def test_eval_reproduces_the_trainers_validation_numbers(trained: dict) -> None:
