@@ -35,10 +35,14 @@ def resolve_adapter(path: str) -> Path:
     if not folder.is_dir():
         raise UserError(f"--adapter {path}: directory not found; pass OUTPUT/adapter of a "
                         "cpudist train run (or one of its checkpoints/step-N)")
-    if (folder / "adapter_config.json").is_file():
-        return folder
-    if (folder / "adapter" / "adapter_config.json").is_file():
-        return folder / "adapter"
+    for candidate in (folder, folder / "adapter"):
+        if (candidate / "adapter_config.json").is_file():
+            # peft would fall back to unpickling adapter_model.bin; only safetensors is read here.
+            if not (candidate / "adapter_model.safetensors").is_file():
+                raise UserError(f"--adapter {candidate}: no adapter_model.safetensors in it (pickled "
+                                "adapter_model.bin files are not loaded); re-save the adapter with "
+                                "save_pretrained(DIR, safe_serialization=True)")
+            return candidate
     raise UserError(f"--adapter {path}: no adapter_config.json in it (nor in {folder / 'adapter'}); "
                     "pass OUTPUT/adapter of a cpudist train run")
 

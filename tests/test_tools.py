@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -193,6 +194,10 @@ def test_generation_prompt_is_the_training_prompt(tokenizer_dir: Path) -> None:
 def test_user_errors_are_one_line_and_name_the_culprit(
         trained: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     base, val = str(trained["base"]), str(trained["val"])
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(trained["out"] / "adapter" / "adapter_config.json", pickled)
+    (pickled / "adapter_model.bin").write_bytes(b"not loaded")
     cases = [
         (["eval", "--base", base, "--adapter", str(tmp_path / "missing"), "--data", val],
          str(tmp_path / "missing")),
@@ -201,6 +206,8 @@ def test_user_errors_are_one_line_and_name_the_culprit(
         (["eval", "--base", str(tmp_path), "--data", val], "config.json"),
         (["eval", "--base", base, "--data", str(tmp_path / "nodata.jsonl")], "nodata.jsonl"),
         (["eval", "--base", base, "--data", val, "--batch-size", "0"], "--batch-size"),
+        (["eval", "--base", base, "--adapter", str(pickled), "--data", val],
+         "adapter_model.safetensors"),
         (["merge", "--base", base, "--adapter", str(tmp_path / "missing"),
           "--out", str(tmp_path / "m")], "missing"),
     ]
