@@ -204,3 +204,15 @@ def test_resume_path_that_is_not_a_checkpoint(tiny_llama: Path, chat_file: Path,
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     stderr = fails(["train", "lora.r=0", f"output.dir={tmp_path / 'out'}"], debug=True)
     assert "UserError" in stderr
+
+
+def test_damaged_checkpoint(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = train_args(tiny_llama, chat_file, out, train__max_steps=1)
+    first = run([*cpudist_cmd(), *args])
+    assert first.returncode == 0, first.stderr[-3000:]
+    damaged = out / "checkpoints" / "step-1" / "optimizer.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:100])  # cut short, as by a full disk outside cpudist
+    error = fails([*args, "train.resume=auto", "train.max_steps=2"])
+    assert f"checkpoint {out / 'checkpoints' / 'step-1'} is unreadable" in error
+    assert "train.resume=PATH" in error
