@@ -29,6 +29,7 @@ import os
 import random
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -434,6 +435,8 @@ def _bench(config: Config, args: BenchArgs, placement: Any, threads: int, dist: 
     return {
         "tokens_per_s": fed / wall, "label_tokens_per_s": labels / wall,
         "samples_per_s": sample_count / wall, "s_per_step": wall / len(step_times),
+        # Robust to other processes stealing the cores for a while (see docs/PERFORMANCE.md).
+        "s_per_step_median": statistics.median(step_times),
         "peak_rss_gb": [rss for _, rss, _ in per_rank],
         "node_pss_gb": max(node_pss.values()),
         "mfu": model_flops / wall / peak_flops,
@@ -468,6 +471,7 @@ def _allocator_in_use() -> str:
 
 FIGURES = [("tokens_per_s", "tokens/s", "{:.1f}"), ("label_tokens_per_s", "label tokens/s", "{:.1f}"),
            ("samples_per_s", "samples/s", "{:.3f}"), ("s_per_step", "s/step", "{:.2f}"),
+           ("s_per_step_median", "median s/step", "{:.2f}"),
            ("peak_rss_gb", "peak RSS GB (max rank)", "{:.2f}"), ("node_pss_gb", "node PSS GB", "{:.2f}"),
            ("mfu", "MFU", "{:.1%}"), ("padding_fraction", "padding", "{:.1%}")]
 

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "tokens_per_s": sum(lengths) / wall, "label_tokens_per_s": label_tokens / wall,
         "samples_per_s": len(lengths) / wall, "s_per_step": wall / len(timed),
+        "s_per_step_median": statistics.median(timed),
         "peak_rss_gb": [peak_rss_gb()], "node_pss_gb": pss.peak / 1024**3,
         "mfu": model_flops / wall / peak, "model_tflops": model_flops / wall / 1e12,
         "peak_tflops": peak / 1e12, "peak_samples_tflops": [p / 1e12 for p in peaks],
