@@ -376,6 +376,7 @@ def _bench(config: Config, args: BenchArgs, placement: Any, threads: int, dist: 
 
     peaks = [peak()]
     step_times: list[float] = []
+    step_labels: list[float] = []
     fed = labels = 0.0
     model_flops = 0.0
     sample_count = 0
@@ -408,6 +409,7 @@ def _bench(config: Config, args: BenchArgs, placement: Any, threads: int, dist: 
             elapsed = time.perf_counter() - started
             if step >= args.warmup:
                 step_times.append(elapsed)
+                step_labels.append(label_tokens)
                 fed += fed_tokens
                 labels += label_tokens
                 model_flops += step_flops
@@ -437,6 +439,8 @@ def _bench(config: Config, args: BenchArgs, placement: Any, threads: int, dist: 
         "samples_per_s": sample_count / wall, "s_per_step": wall / len(step_times),
         # Robust to other processes stealing the cores for a while (see docs/PERFORMANCE.md).
         "s_per_step_median": statistics.median(step_times),
+        "label_tokens_per_s_best_step": max(n / t for n, t in zip(step_labels, step_times,
+                                                                   strict=True)),
         "peak_rss_gb": [rss for _, rss, _ in per_rank],
         "node_pss_gb": max(node_pss.values()),
         "mfu": model_flops / wall / peak_flops,
@@ -472,6 +476,7 @@ def _allocator_in_use() -> str:
 FIGURES = [("tokens_per_s", "tokens/s", "{:.1f}"), ("label_tokens_per_s", "label tokens/s", "{:.1f}"),
            ("samples_per_s", "samples/s", "{:.3f}"), ("s_per_step", "s/step", "{:.2f}"),
            ("s_per_step_median", "median s/step", "{:.2f}"),
+           ("label_tokens_per_s_best_step", "label tokens/s, best step", "{:.1f}"),
            ("peak_rss_gb", "peak RSS GB (max rank)", "{:.2f}"), ("node_pss_gb", "node PSS GB", "{:.2f}"),
            ("mfu", "MFU", "{:.1%}"), ("padding_fraction", "padding", "{:.1%}")]
 

@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": sum(lengths) / wall, "label_tokens_per_s": label_tokens / wall,
         "samples_per_s": len(lengths) / wall, "s_per_step": wall / len(timed),
         "s_per_step_median": statistics.median(timed),
+        "label_tokens_per_s_best_step": max(
+            sum(lab for _, lab, _ in step) / t for step, t in zip(per_step, timed, strict=True)),
         "peak_rss_gb": [peak_rss_gb()], "node_pss_gb": pss.peak / 1024**3,
         "mfu": model_flops / wall / peak, "model_tflops": model_flops / wall / 1e12,
         "peak_tflops": peak / 1e12, "peak_samples_tflops": [p / 1e12 for p in peaks],
