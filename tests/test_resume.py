@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,10 @@ def step_losses(out: Path) -> list[tuple[int, float]]:
 
 
 def start_and_signal(cmd: list, out: Path, sig: int, after_steps: int = 2,
-                     target: int | None = None) -> subprocess.CompletedProcess:
-    """Start cmd, send sig (to target pid, default the started process) once `after_steps` steps are
-    in metrics.jsonl, and wait for the run to exit by itself."""
+                     target: Callable[[subprocess.Popen], int] | None = None
+                     ) -> subprocess.CompletedProcess:
+    """Start cmd, send sig once `after_steps` steps are in metrics.jsonl, and wait for the run to
+    exit by itself. The signal goes to the started process, or to the pid target(process) picks."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=REPO, env=env)
@@ -46,7 +48,7 @@ def start_and_signal(cmd: list, out: Path, sig: int, after_steps: int = 2,
         if target is None:
             proc.send_signal(sig)
         else:
-            os.kill(target(proc) if callable(target) else target, sig)
+            os.kill(target(proc), sig)
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
