@@ -609,12 +609,20 @@ def _restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, nam
 
 
 def _save_adapter(model: nn.Module, target: Path) -> None:
+    from safetensors import SafetensorError
+
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except (OSError, SafetensorError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise UserError(f"could not write the adapter to {target}: {reason}. The same weights are "
+                        f"in the newest checkpoint under {target.parent / 'checkpoints'}") from exc
 
 
 def _print_outcome(summary: dict[str, Any]) -> None:

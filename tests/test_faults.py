@@ -254,3 +254,18 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_llama: Path,
     step1 = load_file(str(saved[0] / "adapter" / "adapter_model.safetensors"))
     step2 = load_file(str(saved[1] / "adapter" / "adapter_model.safetensors"))
     assert all((step1[k] == step2[k]).all() for k in step1)
+
+
+def test_final_adapter_write_failure_is_a_clear_error(tiny_llama: Path, chat_file: Path,
+                                                      tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "adapter").write_text("a file where the adapter directory goes")
+    result = run([*cpudist_cmd(), "train",
+                  *tiny_overrides(tiny_llama, chat_file, out, train__max_steps=2)])
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"error: could not write the adapter to {out / 'adapter'}")
+    assert ckpt.load_checkpoint(out / "checkpoints" / "step-2").state.step == 2
+    assert not [p for p in out.iterdir() if p.name.startswith(".adapter")]
