@@ -16,6 +16,7 @@ import random
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import time
 import warnings
@@ -268,21 +269,47 @@ def train(config: Config, debug: bool = False) -> dict[str, Any] | None:
             comm += ("; DDP comm hook: non-blocking MPI Iallreduce" if config.dist.mpi_nonblocking
                      else "; DDP comm hook: MPI Allreduce")
         comm += f"; collective timeout {config.dist.timeout_s:g} s"
+    peers: list[tuple[str, int]] = []
     try:
+        if placement.distributed:
+            # Who runs where: if a peer vanishes, this rank can say which one (on its own node).
+            peers = [("", 0)] * placement.world_size
+            dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
         return _train(config, placement, threads, cpus, comm)
     except RuntimeError as exc:
         if not placement.distributed or debug or not _lost_peer(exc):
             raise
-        log.error("error: lost contact with the other ranks (%s). A rank died, hung or was stopped, "
-                  "or the network failed; see the other ranks' output (mpirun names a rank that "
-                  "died). Continue from the newest checkpoint with train.resume=auto",
-                  _first_line(exc))
+        log.error("error: lost contact with the other ranks (%s). %s; see the other ranks' output "
+                  "(mpirun names a rank that died). Continue from the newest checkpoint with "
+                  "train.resume=auto", _first_line(exc), _peer_fate(peers, placement.rank))
         sys.stdout.flush()
         sys.stderr.flush()
         # No clean shutdown: destroying the group or MPI_Finalize would wait for the lost peer.
         os._exit(1)
     finally:
         shutdown()
+
+
+def _peer_fate(peers: list[tuple[str, int]], rank: int) -> str:
+    """What became of the peers this rank can see (those on its own node)."""
+    import psutil
+
+    host = socket.gethostname()
+    fates = []
+    for peer, (peer_host, pid) in enumerate(peers):
+        if peer == rank or peer_host != host:
+            continue
+        try:
+            status = psutil.Process(pid).status()
+        except psutil.NoSuchProcess:
+            status = psutil.STATUS_DEAD
+        if status in (psutil.STATUS_DEAD, psutil.STATUS_ZOMBIE):
+            fates.append(f"rank {peer} (pid {pid}) has exited")
+        elif status == psutil.STATUS_STOPPED:
+            fates.append(f"rank {peer} (pid {pid}) is stopped")
+    if fates:
+        return "On this node " + ", ".join(fates)
+    return "A rank died, hung or was stopped, or the network failed"
 
 
 def _lost_peer(exc: BaseException) -> bool:

@@ -160,6 +160,8 @@ def test_surviving_rank_exits_within_the_timeout(fault: str, tiny_llama: Path, c
     errors = [line for line in stderr.splitlines() + stdout.splitlines() if "error:" in line]
     assert len(errors) == 1, stdout[-2000:] + stderr[-2000:]
     assert errors[0].startswith("[rank 0] error: lost contact with the other ranks")
+    fate = "has exited" if fault == "SIGKILL" else "is stopped"
+    assert f"On this node rank 1 (pid {procs[1].pid}) {fate}" in errors[0]  # names the lost rank
     assert "train.resume=auto" in errors[0]
     assert "Traceback" not in stderr
 
