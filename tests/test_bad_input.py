@@ -216,3 +216,18 @@ def test_damaged_checkpoint(tiny_llama: Path, chat_file: Path, tmp_path: Path) -
     error = fails([*args, "train.resume=auto", "train.max_steps=2"])
     assert f"checkpoint {out / 'checkpoints' / 'step-1'} is unreadable" in error
     assert "train.resume=PATH" in error
+
+
+def test_model_with_only_pickled_weights_is_refused(tiny_llama: Path, chat_file: Path,
+                                                    tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    model = tmp_path / "pickled"
+    shutil.copytree(tiny_llama, model)
+    weights = load_file(str(model / "model.safetensors"))
+    (model / "model.safetensors").unlink()
+    torch.save(weights, model / "pytorch_model.bin")  # loading it would mean unpickling
+    error = fails(train_args(model, chat_file, tmp_path / "out"))
+    assert f"{model}: model weights could not be read" in error
+    assert "needs model.safetensors" in error
