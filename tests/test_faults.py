@@ -47,9 +47,20 @@ def wait_for_steps(out: Path, steps: int, procs: list[subprocess.Popen]) -> None
         time.sleep(0.02)
 
 
-def gone(pids: list[int]) -> bool:
-    return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-                   for pid in pids)
+def gone(pids: list[int], within_s: float = 10.0) -> bool:
+    """Every process exited (zombies count: mpirun does not wait for the ranks it SIGKILLs)."""
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + within_s
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 # --------------------------------------------------------------------------- preemption
@@ -76,6 +87,38 @@ def test_sigterm_to_one_rank_checkpoints_and_every_rank_exits(tiny_llama: Path, 
     state = json.loads((out / "checkpoints" / f"step-{at}" / "state.json").read_text())
     assert state["train"]["step"] == at < 500
     assert gone(pids)
+
+
+@pytest.mark.mpi
+def test_sigterm_to_mpirun_ends_the_job_and_leaves_a_resumable_run(tiny_llama: Path,
+                                                                   chat_file: Path,
+                                                                   tmp_path: Path) -> None:
+    """mpirun answers SIGTERM with SIGTERM then SIGKILL 0.25 s later (docs/OPERATIONS.md), so a
+    checkpoint may or may not make it; whatever happens, no rank survives, nothing half-written
+    counts as a checkpoint, and train.resume=auto continues the run."""
+    out = tmp_path / "run"
+    overrides = tiny_overrides(tiny_llama, chat_file, out, train__max_steps=500,
+                               train__batch_size=2, train__save_every=3)
+    cmd = [*mpirun_cmd(2), *cpudist_cmd(), "train", *overrides]
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO)
+    try:
+        wait_for_steps(out, 4, [proc])
+        ranks = rank_processes(psutil.Process(proc.pid))
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert gone([p.pid for p in ranks.values()])
+    complete = ckpt.checkpoint_dirs(out / "checkpoints")
+    assert complete  # step-3 was written before the signal
+    newest = ckpt.load_checkpoint(complete[-1]).state.step
+    resumed = run([*mpirun_cmd(2), *cpudist_cmd(), "train", *overrides, "train.resume=auto",
+                   f"train.max_steps={newest + 1}"])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"at step {newest}" in resumed.stdout
+    assert [s for s, _ in step_losses(out)] == list(range(1, newest + 2))
 
 
 def test_sigint_single_process_checkpoints(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
