@@ -64,13 +64,14 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 class Progress:
     """A progress bar on a terminal; plain log lines otherwise (CI logs, files, mpirun output)."""
 
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
+    def __init__(self, total: int, start: int, enabled: bool, allow_bar: bool = True) -> None:
         self.total = total
         self.enabled = enabled
         self.bar = None
         self.started = time.perf_counter()
         self.start_step = start
-        if enabled and sys.stdout.isatty():
+        # Under mpirun the bar's carriage-return redraws end up in captured logs: plain lines there.
+        if enabled and allow_bar and sys.stdout.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)

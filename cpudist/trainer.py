@@ -429,7 +429,8 @@ def _train(config: Config, placement: Placement, threads: int, cpus: list[int] |
         summary.update(val_loss_before=before["val_loss"], val_ppl_before=before["val_ppl"])
     answers_before = generate_answers(rt, prompts, tc.max_new_tokens) if prompts else []
 
-    progress = Progress(total_steps, state.step, placement.is_main)
+    progress = Progress(total_steps, state.step, placement.is_main,
+                        allow_bar=not placement.distributed)
     started = run_started = time.perf_counter()
     start_step = state.step
     tokens_this_run = 0

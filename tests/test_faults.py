@@ -121,6 +121,31 @@ def test_sigterm_to_mpirun_ends_the_job_and_leaves_a_resumable_run(tiny_llama: P
     assert [s for s, _ in step_losses(out)] == list(range(1, newest + 2))
 
 
+@pytest.mark.mpi
+def test_sigterm_to_cpudist_launch_checkpoints_and_exits_cleanly(tiny_llama: Path, chat_file: Path,
+                                                                 tmp_path: Path) -> None:
+    """`cpudist launch` turns SIGTERM into SIGUSR1 for mpirun, which forwards it to every rank
+    without killing them: the job checkpoints at the next step boundary and exits 0."""
+    out = tmp_path / "run"
+    overrides = tiny_overrides(tiny_llama, chat_file, out, train__max_steps=500, train__batch_size=2)
+    cmd = [*cpudist_cmd(), "launch", "-np", "2", "--mpi-arg=--oversubscribe", "--", "train",
+           *overrides]
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO)
+    try:
+        wait_for_steps(out, 3, [proc])
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    at = stopped_step(stdout)
+    assert "(SIGUSR1)" in stdout
+    assert ckpt.load_checkpoint(out / "checkpoints" / f"step-{at}").state.step == at
+    assert "train.resume=auto" in stdout
+
+
 def test_sigint_single_process_checkpoints(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [*cpudist_cmd(), "train",
