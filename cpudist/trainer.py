@@ -396,7 +396,7 @@ def _train(config: Config, placement: Placement, threads: int, cpus: list[int] |
     resume_from = rank0_only(placement, lambda: ckpt.find_resume(tc.resume, out / "checkpoints"))
     resume_path = _broadcast(placement, str(resume_from) if resume_from else None)
     if resume_path:
-        # Every rank reads the checkpoint (on another node it may be missing): fail together.
+        # A checkpoint that does not fit this run stops every rank together.
         restore_error = None
         try:
             state = _restore(Path(resume_path), peft_model, optimizer, param_names, scheduler,
@@ -622,7 +622,9 @@ def _restore(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, nam
              scheduler: Any, placement: Placement) -> ckpt.TrainState:
     from peft import set_peft_model_state_dict
 
-    loaded = ckpt.load_checkpoint(path)
+    # Rank 0 reads the checkpoint and sends it to the others, so nodes need no shared filesystem.
+    # (broadcast_object_list pickles, but only between this job's own processes.)
+    loaded = _broadcast(placement, rank0_only(placement, lambda: ckpt.load_checkpoint(path)))
     if loaded.state.world_size != placement.world_size:
         raise UserError(
             f"checkpoint {path} was written by {loaded.state.world_size} ranks and this run has "
