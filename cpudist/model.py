@@ -195,4 +195,7 @@ def build_model(config: ModelConfig, lora: LoraConfig) -> tuple[nn.Module, Any, 
     model = apply_lora(base, lora)
     if config.gradient_checkpointing:
         enable_activation_checkpointing(model)
+    # from_pretrained leaves the base in eval mode, and decoder layers only checkpoint while
+    # training: without this, activation checkpointing was silently off until the first eval.
+    model.train()
     return model, tokenizer, dtype_reason, path

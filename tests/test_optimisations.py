@@ -156,3 +156,28 @@ def test_training_with_packing_matches_padding(tiny_qwen: Path, chat_file: Path,
         losses[packing] = [r["loss"] for r in records if "loss" in r]
     assert len(losses[True]) == 2
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
+def test_activation_checkpointing_is_active_from_the_first_step(tiny_qwen: Path,
+                                                                 tmp_path: Path) -> None:
+    """The decoder layers only checkpoint in training mode; build_model must leave them there."""
+    from cpudist.data import collate
+
+    def saved_bytes(checkpointing: bool) -> int:
+        torch.manual_seed(0)
+        model, _, _, _ = build_model(
+            ModelConfig(path=str(tiny_qwen), dtype="float32", cache_dir=str(tmp_path),
+                        gradient_checkpointing=checkpointing), LoraConfig(r=4, dropout=0.0))
+        batch = collate(_split([40, 40], model.config.vocab_size), [0, 1], pad_id=0)
+        total = 0
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            total += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            CausalLMLoss(model, 0)(**batch.as_kwargs())
+        return total
+
+    assert saved_bytes(True) < 0.5 * saved_bytes(False)
