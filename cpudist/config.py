@@ -37,7 +37,8 @@ class ModelConfig(_Section):
 class LoraConfig(_Section):
     r: int = Field(8, gt=0)
     alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    # 0 (PEFT's default) skips a copy of every adapted layer's input: less memory, faster steps.
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # "all-linear" or a list of module name suffixes such as [q_proj, v_proj].
     target_modules: Literal["all-linear"] | list[str] = "all-linear"
 

@@ -173,7 +173,11 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> nn.Module:
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
     # Non-reentrant: works with frozen inputs and DDP without enable_input_require_grads.
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5 name
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
