@@ -336,7 +336,13 @@ def _bench(config: Config, args: BenchArgs, placement: Any, threads: int, dist: 
     from cpudist.data import GlobalBatches
     from cpudist.loss import CausalLMLoss
     from cpudist.model import build_model, trainable_parameters
-    from cpudist.trainer import _wrap_ddp, agree_on_error, allreduce, make_batch
+    from cpudist.trainer import (
+        _wrap_ddp,
+        accumulate_gradients,
+        agree_on_error,
+        allreduce,
+        make_batch,
+    )
 
     tc = config.train
     world, rank = placement.world_size, placement.rank
@@ -354,6 +360,10 @@ def _bench(config: Config, args: BenchArgs, placement: Any, threads: int, dist: 
     agree_on_error(placement, error)
     compute_bf16 = dtype_reason.startswith("bfloat16")
     compute_dtype = torch.bfloat16 if compute_bf16 else torch.float32
+
+    def autocast() -> Any:
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_bf16)
+
     loss_module = CausalLMLoss(peft_model, tc.loss_chunk_size)
     params = [p for _, p in trainable_parameters(loss_module)]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
@@ -392,16 +402,7 @@ def _bench(config: Config, args: BenchArgs, placement: Any, threads: int, dist: 
             label_tokens, fed_tokens, step_flops = allreduce(
                 [sum(b.label_tokens for b in micro), sum(b.tokens for b in micro),
                  flops.step_flops(lengths, sum(b.label_tokens for b in micro))], placement)
-            scale = world / max(label_tokens, 1.0)
-            loss_local = 0.0
-            for k, batch in enumerate(micro):
-                sync = k == len(micro) - 1
-                no_sync = (step_module.no_sync() if placement.distributed and not sync
-                           and hasattr(step_module, "no_sync") else contextlib.nullcontext())
-                with no_sync, torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute_bf16):
-                    loss_sum, _ = step_module(**batch.as_kwargs())
-                    (loss_sum * scale).backward()
-                loss_local += float(loss_sum.detach())
+            loss_local = accumulate_gradients(step_module, micro, placement, label_tokens, autocast)
             torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

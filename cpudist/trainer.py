@@ -248,6 +248,29 @@ def generate_answers(rt: Runtime, prompts: list[tuple[list[int], list[int]]],
     return answers
 
 
+def accumulate_gradients(step_module: nn.Module, micro: list[Batch], placement: Placement,
+                         label_tokens: float, autocast: Any, inject_nan: bool = False) -> float:
+    """Forward and backward over one optimizer step's micro-batches; returns this rank's loss sum.
+
+    Gradients are allreduced only on the last micro-batch (no_sync before). Each rank's loss is
+    scaled so the averaged gradient is the mean over every label token of the global batch,
+    whatever the world size or per-rank token counts.
+    """
+    scale = placement.world_size / max(label_tokens, 1.0)
+    loss_local = 0.0
+    for k, batch in enumerate(micro):
+        sync = k == len(micro) - 1
+        no_sync = (step_module.no_sync() if placement.distributed and not sync
+                   and hasattr(step_module, "no_sync") else contextlib.nullcontext())
+        with no_sync, autocast():
+            loss_sum, _ = step_module(**batch.as_kwargs())
+            if inject_nan:
+                loss_sum = loss_sum * float("nan")
+            (loss_sum * scale).backward()
+        loss_local += float(loss_sum.detach())
+    return loss_local
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -445,20 +468,8 @@ def _train(config: Config, placement: Placement, threads: int, cpus: list[int] |
                  for ix in batches.step_batches(state.epoch, state.step_in_epoch, rank)]
         label_tokens, fed_tokens = allreduce(
             [sum(b.label_tokens for b in micro), sum(b.tokens for b in micro)], placement)
-        # Each rank's loss is scaled so the allreduced (averaged) gradient is the mean over every
-        # label token of the global batch, whatever the world size or per-rank token counts.
-        scale = world / max(label_tokens, 1.0)
-        loss_local = 0.0
-        for k, batch in enumerate(micro):
-            sync = k == len(micro) - 1
-            no_sync = (step_module.no_sync() if placement.distributed and not sync
-                       and hasattr(step_module, "no_sync") else contextlib.nullcontext())
-            with no_sync, autocast():
-                loss_sum, _ = step_module(**batch.as_kwargs())
-                if state.step + 1 in nan_steps:
-                    loss_sum = loss_sum * float("nan")
-                (loss_sum * scale).backward()
-            loss_local += float(loss_sum.detach())
+        loss_local = accumulate_gradients(step_module, micro, placement, label_tokens, autocast,
+                                          inject_nan=state.step + 1 in nan_steps)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for _, p in params], tc.max_grad_norm or float("inf"))
         (loss_global,) = allreduce([loss_local], placement)
