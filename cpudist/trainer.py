@@ -8,6 +8,7 @@ AdamW -> schedule. Rank 0 alone logs, checkpoints and writes OUTPUT/.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -298,7 +299,15 @@ def train(config: Config, debug: bool = False) -> dict[str, Any] | None:
             # Who runs where: if a peer vanishes, this rank can say which one (on its own node).
             peers = [("", 0)] * placement.world_size
             dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
-        return _train(config, placement, threads, cpus, comm)
+        result = _train(config, placement, threads, cpus, comm)
+        if placement.distributed:
+            # Every rank ends here together (done, or stopped by a signal). gloo's worker threads
+            # drop the tensors of the last collective (Python-owned, from *_object collectives)
+            # after wait() returns; if that lands during interpreter shutdown the process aborts.
+            # A barrier, then freeing DDP and the group, keeps that inside the live interpreter.
+            dist.barrier()
+            gc.collect()
+        return result
     except RuntimeError as exc:
         if not placement.distributed or debug or not _lost_peer(exc):
             raise
