@@ -57,10 +57,6 @@ class MetricsLog:
             self.writer.close()
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 class Progress:
     """A progress bar on a terminal; plain log lines otherwise (CI logs, files, mpirun output)."""
 
