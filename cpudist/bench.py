@@ -148,6 +148,30 @@ def synthetic_split(samples: int, seq_len: int, vocab: int, seed: int) -> Any:
     return TokenizedSplit(ids, [list(row) for row in ids])
 
 
+def fixed_sample_set(split: Any, samples: int, seed: int, where: str) -> Any:
+    """`samples` samples of `split`, drawn once (seeded). cpudist's bench and the HF baseline both
+    time exactly one epoch over this set, so label tokens/s compares the same work: each side
+    batches the samples its own way (length-grouped vs random) but neither can draw an easier set."""
+    from cpudist.data import TokenizedSplit
+
+    if len(split) < samples:
+        raise UserError(f"{where} has {len(split)} training samples; the bench times one epoch of "
+                        f"--steps x batch x grad_accum x ranks = {samples} samples: lower --steps or "
+                        "the batch size, or use a bigger data.path")
+    chosen = sorted(random.Random(seed).sample(range(len(split)), samples))
+    return TokenizedSplit([split.input_ids[i] for i in chosen], [split.labels[i] for i in chosen])
+
+
+def bench_step_position(step: int, warmup: int, steps_per_epoch: int) -> tuple[int, int]:
+    """(epoch, index) of bench step `step`: warm-up steps run first; the timed steps then start a
+    fresh epoch, so `--steps` timed steps cover the fixed sample set exactly once."""
+    if step < warmup:
+        return divmod(step, steps_per_epoch)
+    warm_epochs = -(-warmup // steps_per_epoch)
+    epoch, index = divmod(step - warmup, steps_per_epoch)
+    return warm_epochs + epoch, index
+
+
 def padding_fraction(batches: list[Any]) -> float:
     """Share of the computed positions (rows x width) that hold padding."""
     cells = sum(b.input_ids.numel() for b in batches)
@@ -300,7 +324,9 @@ def make_data(config: Config, kind: str, samples: int, tokenizer: Any, vocab: in
     if kind != "instruct":
         raise UserError(f"--data {kind!r}: choose one of {', '.join(DATA_KINDS)}")
     train, _, stats = build_datasets(config.data, tokenizer, config.train.seed)
-    return train, f"instruct: {stats['source']} ({stats['train']} samples, prompt tokens masked)"
+    train = fixed_sample_set(train, samples, config.train.seed, f"data.path {config.data.path}")
+    return train, (f"instruct: {stats['source']} ({samples} of {stats['train']} samples, "
+                   "prompt tokens masked)")
 
 
 def run_bench(config: Config, args: BenchArgs) -> dict[str, Any] | None:
@@ -353,7 +379,7 @@ def _bench(config: Config, args: BenchArgs, placement: Any, threads: int, dist: 
     try:
         peft_model, tokenizer, dtype_reason, model_dir = build_model(config.model, config.lora)
         vocab = peft_model.get_base_model().config.vocab_size
-        samples = total_steps * tc.batch_size * tc.grad_accum * world
+        samples = args.steps * tc.batch_size * tc.grad_accum * world
         train_data, data_desc = make_data(config, args.data, samples, tokenizer, vocab)
     except UserError as exc:
         error = str(exc)
@@ -395,7 +421,7 @@ def _bench(config: Config, args: BenchArgs, placement: Any, threads: int, dist: 
         for step in range(total_steps):
             barrier()
             started = time.perf_counter()
-            epoch, index = divmod(step, batches.steps_per_epoch)
+            epoch, index = bench_step_position(step, args.warmup, batches.steps_per_epoch)
             micro = [make_batch(train_data, ix, tokenizer.pad_token_id, config)
                      for ix in batches.step_batches(epoch, index, rank)]
             lengths = [n for b in micro for n in batch_sample_lengths(b)]

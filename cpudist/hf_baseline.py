@@ -53,8 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load_rows(args: argparse.Namespace, tokenizer: Any, vocab: int, samples: int
               ) -> tuple[list[dict[str, list[int]]], str]:
-    """The same samples cpudist's bench builds: synthetic rows or cpudist-tokenized instruct data."""
-    from cpudist.bench import synthetic_split
+    """The same samples cpudist's bench builds: synthetic rows or the same fixed set of
+    cpudist-tokenized instruct samples."""
+    from cpudist.bench import fixed_sample_set, synthetic_split
     from cpudist.config import DataConfig
 
     if args.data == "synthetic":
@@ -66,7 +67,9 @@ def load_rows(args: argparse.Namespace, tokenizer: Any, vocab: int, samples: int
         config = DataConfig(path=args.data_path, format=args.data_format, max_length=args.seq_len,
                             cache_dir=args.data_cache)
         split, _, stats = build_datasets(config, tokenizer, args.seed)
-        desc = f"instruct: {stats['source']} ({stats['train']} samples, prompt tokens masked)"
+        split = fixed_sample_set(split, samples, args.seed, f"--data-path {args.data_path}")
+        desc = (f"instruct: {stats['source']} ({samples} of {stats['train']} samples, "
+                "prompt tokens masked)")
     rows = [{"input_ids": ids, "labels": labels}
             for ids, labels in zip(split.input_ids, split.labels, strict=True)]
     return rows, desc
@@ -126,34 +129,48 @@ def main(argv: list[str] | None = None) -> int:
                                              lora_dropout=args.lora_dropout,
                                              target_modules=targets, task_type="CAUSAL_LM"))
     total_steps = args.warmup + args.steps
-    samples = total_steps * args.batch_size * args.grad_accum
+    # One epoch of the timed steps; the warm-up steps run on the same set first (as cpudist's bench).
+    samples = args.steps * args.batch_size * args.grad_accum
     rows, desc = load_rows(args, tokenizer, model.get_base_model().config.vocab_size, samples)
     collator = PadCollator(tokenizer.pad_token_id)
-    step_ends: list[float] = []
 
     class StepClock(TrainerCallback):
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            step_ends.append(time.perf_counter())
+        def __init__(self) -> None:
+            self.begins: list[float] = []
+            self.ends: list[float] = []
 
-    peaks = [gemm_peak(compute_dtype)]
-    with tempfile.TemporaryDirectory(prefix="hf-baseline-") as tmp:
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            self.begins.append(time.perf_counter())
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            self.ends.append(time.perf_counter())
+
+    def train(max_steps: int, out_dir: str) -> StepClock:
         training_args = TrainingArguments(
-            output_dir=tmp, per_device_train_batch_size=args.batch_size,
-            gradient_accumulation_steps=args.grad_accum, max_steps=total_steps,
+            output_dir=out_dir, per_device_train_batch_size=args.batch_size,
+            gradient_accumulation_steps=args.grad_accum, max_steps=max_steps,
             learning_rate=args.lr, lr_scheduler_type="constant", max_grad_norm=1.0,
             use_cpu=True, bf16=bf16, logging_strategy="no", save_strategy="no", report_to=[],
             dataloader_num_workers=0, remove_unused_columns=False, seed=args.seed,
             gradient_checkpointing=args.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False}, disable_tqdm=True)
-        trainer = Trainer(model=model, args=training_args, train_dataset=rows,
-                          data_collator=collator, callbacks=[StepClock()])
-        with PssSampler() as pss:
-            started = time.perf_counter()
-            trainer.train()
+        clock = StepClock()
+        Trainer(model=model, args=training_args, train_dataset=rows, data_collator=collator,
+                callbacks=[clock]).train()
+        return clock
+
+    peaks = [gemm_peak(compute_dtype)]
+    with tempfile.TemporaryDirectory(prefix="hf-baseline-") as tmp, PssSampler() as pss:
+        # Warm-up and timed steps are two trainings of the same model, so that the timed one is
+        # exactly one epoch (HF's random sampler) over the set cpudist times.
+        if args.warmup:
+            train(args.warmup, tmp)
+        clock = train(args.steps, tmp)
     peaks.append(gemm_peak(compute_dtype))
-    ends = [started, *step_ends]
-    step_times = [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)]
-    timed = step_times[args.warmup:]
+    # From one step's end to the next (collation included, as in cpudist's bench); the first timed
+    # step from its own begin (HF fetches its batches just before: a few ms in HF's favour).
+    timed = [clock.ends[0] - clock.begins[0],
+             *(b - a for a, b in zip(clock.ends[:-1], clock.ends[1:], strict=True))]
     # Batches in the order they were drawn; one optimizer step uses grad_accum of them.
     per_step = [collator.seen[i * args.grad_accum:(i + 1) * args.grad_accum]
                 for i in range(total_steps)][args.warmup:]

@@ -133,6 +133,44 @@ def test_bench_vs_hf_prints_ratios(tiny_qwen: Path, tmp_path: Path) -> None:
                                                       figures["cpudist"][key] / hf[key])
 
 
+def test_timed_steps_cover_the_fixed_sample_set_once() -> None:
+    from cpudist.bench import bench_step_position, fixed_sample_set
+    from cpudist.data import GlobalBatches, TokenizedSplit
+    from cpudist.errors import UserError
+
+    split = TokenizedSplit([[i] * (1 + i % 7) for i in range(50)], [[i] * (1 + i % 7) for i in range(50)])
+    chosen = fixed_sample_set(split, 12, seed=3, where="data.path x")
+    assert len(chosen) == 12 and chosen.input_ids == fixed_sample_set(split, 12, 3, "x").input_ids
+    assert chosen.input_ids != fixed_sample_set(split, 12, 4, "x").input_ids
+    with pytest.raises(UserError, match="data.path x has 50 training samples.*lower --steps"):
+        fixed_sample_set(split, 51, seed=3, where="data.path x")
+    batches = GlobalBatches(chosen, batch_size=2, grad_accum=1, world=2, seed=0, group_by_length=True)
+    for warmup in (0, 1, 3, 4):
+        timed = [bench_step_position(step, warmup, batches.steps_per_epoch)
+                 for step in range(warmup, warmup + batches.steps_per_epoch)]
+        seen = sorted(i for epoch, index in timed for rank in (0, 1)
+                      for micro in batches.step_batches(epoch, index, rank) for i in micro)
+        assert seen == list(range(12)), warmup
+
+
+@pytest.mark.slow
+def test_bench_vs_hf_instruct_times_the_same_samples(tiny_qwen: Path, tmp_path: Path) -> None:
+    from conftest import write_jsonl
+
+    rows = [{"messages": [{"role": "user", "content": f"Count to {n}."},
+                          {"role": "assistant", "content": " ".join(["one"] * (1 + n % 9 * 5))}]}
+            for n in range(30)]
+    data = write_jsonl(tmp_path / "lengths.jsonl", rows)
+    figures, _ = _bench(tiny_qwen, tmp_path, "--data", "instruct", f"data.path={data}",
+                        "--batch-size", "4", "--seq-len", "96", "--vs", "hf")
+    ours, hf = figures["cpudist"], figures["hf"]
+    assert "8 of" in ours["data"] and "8 of" in hf["data"]
+    # Both sides time one epoch over the same 8 samples: the same real and label tokens.
+    for key in ("tokens_per_s", "label_tokens_per_s", "samples_per_s"):
+        assert ours[key] * ours["s_per_step"] == pytest.approx(hf[key] * hf["s_per_step"]), key
+    assert ours["samples_per_s"] * ours["s_per_step"] == pytest.approx(4)
+
+
 @pytest.mark.slow
 def test_scaling_runs_each_rank_count(tiny_qwen: Path, tmp_path: Path) -> None:
     from conftest import mpirun_cmd
