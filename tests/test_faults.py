@@ -293,6 +293,52 @@ def test_checkpoint_write_failure_stops_and_keeps_previous(tiny_llama: Path, cha
     assert ckpt.load_checkpoint(root / "step-2").state.step == 2
 
 
+METRICS_DISK_FULL = """
+import builtins, errno, os, sys
+from cpudist import report
+calls = 0
+class FullDisk:  # takes half of a line, then fails as on a full disk
+    def __init__(self, handle):
+        self.handle = handle
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.handle.close()
+    def write(self, data):
+        self.handle.write(bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+def fake_open(*args, **kwargs):  # the lines of steps 2 and 3 hit a full disk
+    global calls
+    calls += 1
+    handle = builtins.open(*args, **kwargs)
+    return FullDisk(handle) if calls in (2, 3) else handle
+report.open = fake_open
+from cpudist.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_metrics_write_failure_does_not_stop_the_run(tiny_llama: Path, chat_file: Path,
+                                                     tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run([sys.executable, "-c", METRICS_DISK_FULL, "train",
+                  *tiny_overrides(tiny_llama, chat_file, out, train__max_steps=4)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    said = [line for line in (result.stdout + result.stderr).splitlines()
+            if str(out / "metrics.jsonl") in line]
+    assert len(said) == 2, said
+    assert f"could not write {out / 'metrics.jsonl'}: No space left on device" in said[0]
+    assert said[1].endswith("works again; 2 logged step(s) are missing from it")
+    text = (out / "metrics.jsonl").read_text()
+    assert text.endswith("\n")
+    assert [s for s, _ in step_losses(out)] == [1, 4]  # whole lines only
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    assert ckpt.load_checkpoint(out / "checkpoints" / "step-4").state.step == 4
+
+
 # --------------------------------------------------------------------------- numerical faults
 
 
