@@ -24,6 +24,7 @@ import torch
 
 from cpudist.config import DataConfig
 from cpudist.errors import UserError
+from cpudist.jsonl import read_jsonl
 
 log = logging.getLogger("cpudist")
 
@@ -81,28 +82,6 @@ def resolve_data_path(path: str, cache_dir: str) -> Path:
     return resolved
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise UserError(f"{path}:{number}: not UTF-8 text; re-encode the file as UTF-8 "
-                                "(e.g. iconv -f latin1 -t utf-8)") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{number}: malformed JSON ({exc.msg} at column "
-                                f"{exc.colno}); fix or remove that line") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}:{number}: each line must be a JSON object")
-            rows.append(row)
-    return rows
-
-
 def read_records(path: Path) -> list[dict[str, Any]]:
     """Rows of a .jsonl / .json / .parquet file or a saved datasets directory."""
     import datasets
@@ -117,7 +96,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         return list(loaded)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _read_jsonl(path)
+        return read_jsonl(path)
     if suffix == ".json":
         try:
             text = path.read_text(encoding="utf-8")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cpudist.errors import UserError
+from cpudist.jsonl import read_jsonl
 
 PLOTS = ("loss.png", "lr.png", "throughput.png")
 _SMOOTH = 10  # steps in the running mean of the train loss
@@ -48,17 +49,8 @@ def read_run(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
     if not metrics_path.exists():
         raise UserError(f"{metrics_path} not found; {out_dir} is not the output.dir of a cpudist "
                         "train run (or the run stopped before its first step)")
-    records = []
-    for number, line in enumerate(metrics_path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{metrics_path}:{number}: malformed JSON ({exc.msg}); remove that "
-                            "line") from None
-        if isinstance(record, dict):
-            records.append(record)
+    # metrics.jsonl is machine-written: a broken line is best removed, a non-object ignored.
+    records = read_jsonl(metrics_path, skip_non_objects=True, advice="remove that line")
     config_path = out_dir / "config.yaml"
     config_text = config_path.read_text(encoding="utf-8") if config_path.exists() else ""
     return records, _read_json(out_dir / "summary.json"), config_text

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cpudist.jsonl import JsonlError, iter_jsonl
+
 log = logging.getLogger("cpudist")
 
 
@@ -87,9 +89,8 @@ class MetricsLog:
         if self.resume_step is None:
             self.path.write_bytes(b"")
         elif self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= self.resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            # Cut in place: the lines kept are the file's start, and truncating needs no space.
+            os.truncate(self.path, _end_of_step(self.path, self.resume_step))
         self.size = self.path.stat().st_size if self.path.exists() else 0
         self.started = True
 
@@ -157,6 +158,24 @@ class MetricsLog:
             except OSError as exc:
                 self.tb_outage.failed(exc, lost=0)
             self.writer = None
+
+
+def _end_of_step(path: Path, step: int) -> int:
+    """Length of the leading lines of metrics.jsonl up to `step` (steps only grow along the file).
+    A line that cannot be read, such as one cut short by a crash, ends them, with a warning."""
+    end = last_start = 0
+    try:
+        for line in iter_jsonl(path, advice="it and the lines after it are dropped"):
+            if isinstance(line.value, dict) and line.value.get("step", 0) > step:
+                break
+            end, last_start = line.end, line.start
+    except JsonlError as exc:
+        log.warning("%s", exc)
+    with open(path, "rb") as handle:  # a last line without its newline did not finish either
+        handle.seek(max(end - 1, 0))
+        if end and handle.read(1) != b"\n":
+            end = last_start
+    return end
 
 
 def _summary_writer(directory: Path) -> Any:

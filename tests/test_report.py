@@ -173,3 +173,27 @@ def test_tensorboard_write_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert said[0].startswith(f"could not write {tb}: No space left on device; TensorBoard "
                               "scalars are skipped")
     assert said[1] == f"writing {tb} works again; 2 logged step(s) are missing from it"
+
+
+@pytest.mark.parametrize(("content", "kept", "warned"), [
+    # Lines past the checkpoint's step go (the final evaluation repeats the last step).
+    ('{"step": 1}\n{"step": 2}\n{"step": 2, "val_loss": 1}\n{"step": 3}\n', [1, 2, 2], None),
+    # A line cut short by a crash ends the file, with the lines after it.
+    ('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n', [1], ":2: malformed JSON"),
+    ('{"step": 1}\n{"step": 2}', [1], None),  # no newline: the write did not finish
+    ("", [], None),
+])
+def test_resume_cuts_back_to_the_checkpoint_step(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                 content: str, kept: list[int],
+                                                 warned: str | None) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(content)
+    metrics = MetricsLog(path, 2, None)
+    metrics.write({"step": 3, "loss": 1.0})
+    assert [r["step"] for r in lines(path)] == [*kept, 3]
+    said = warnings(caplog)
+    if warned is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and f"{path}{warned}" in said[0], said
+        assert said[0].endswith("it and the lines after it are dropped")
