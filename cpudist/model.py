@@ -108,21 +108,33 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
     return tokenizer
 
 
-def load_base_model(config: ModelConfig, path: Path) -> tuple[nn.Module, str]:
-    """Frozen base model in the policy dtype; returns (model, dtype reason)."""
+def load_base_model(config: ModelConfig, path: Path, map_weights: bool = False
+                    ) -> tuple[nn.Module, str]:
+    """Frozen base model in the policy dtype; returns (model, dtype reason).
+
+    map_weights: frozen weights become read-only mappings of the safetensors files (shared by the
+    node's ranks; cpudist.shared_weights), built without ever holding a private copy when the
+    files' names fit the model, else loaded normally and pointed at the files afterwards.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype_name, why = choose_dtype(config.dtype)
+    dtype = torch_dtype(dtype_name)
+    cache_dir = Path(config.cache_dir).expanduser()
+    options = dict(trust_remote_code=config.trust_remote_code,
+                   attn_implementation=config.attn_implementation)
+    mapped = None
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            config=hf_config,
-            dtype=torch_dtype(dtype_name),
-            trust_remote_code=config.trust_remote_code,
-            attn_implementation=config.attn_implementation,
-            use_safetensors=True,  # never unpickle weights (pytorch_model.bin) from a model dir
-        )
+        if map_weights:
+            from cpudist.shared_weights import build_mapped
+
+            mapped = build_mapped(path, hf_config, dtype, cache_dir, **options)
+        if mapped is None:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, config=hf_config, dtype=dtype,
+                use_safetensors=True,  # never unpickle weights (pytorch_model.bin) from a model dir
+                **options)
     except ValueError as exc:
         message = str(exc).splitlines()[0][:300]
         if "trust_remote_code" in message:
@@ -132,7 +144,18 @@ def load_base_model(config: ModelConfig, path: Path) -> tuple[nn.Module, str]:
     except OSError as exc:
         raise UserError(f"{path}: model weights could not be read ({str(exc)[:300]}); the "
                         "directory needs model.safetensors (or sharded *.safetensors)") from exc
-    model.requires_grad_(False)
+    if mapped is not None:
+        model, source = mapped
+        log.info("frozen weights: built directly on a read-only mapping of %s (shared by the node's "
+                 "ranks)", source)
+    model.requires_grad_(False)  # before sharing: share_frozen_weights maps frozen ones only
+    if mapped is None and map_weights:
+        from cpudist.shared_weights import share_frozen_weights
+
+        shared, source = share_frozen_weights(model, path, cache_dir)
+        if shared:
+            log.info("frozen weights: %d tensors mapped read-only from %s (shared by the node's "
+                     "ranks)", shared, source)
     model.config.use_cache = False
     return model, f"{dtype_name}: {why}"
 
@@ -188,14 +211,7 @@ def build_model(config: ModelConfig, lora: LoraConfig) -> tuple[nn.Module, Any, 
     """(peft model, tokenizer, dtype reason, resolved model dir)."""
     path = resolve_model_path(config)
     tokenizer = load_tokenizer(path, config.trust_remote_code)
-    base, dtype_reason = load_base_model(config, path)
-    if config.share_frozen_weights:
-        from cpudist.shared_weights import share_frozen_weights
-
-        shared, source = share_frozen_weights(base, path, Path(config.cache_dir).expanduser())
-        if shared:
-            log.info("frozen weights: %d tensors mapped read-only from %s (shared by the node's "
-                     "ranks)", shared, source)
+    base, dtype_reason = load_base_model(config, path, map_weights=config.share_frozen_weights)
     model = apply_lora(base, lora)
     if config.gradient_checkpointing:
         enable_activation_checkpointing(model)

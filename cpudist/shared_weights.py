@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,14 +51,50 @@ def mapped_tensors(file: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _torch_dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, value in SAFETENSORS_DTYPES.items() if value == dtype)
+
+
+def _convert_file(source: Path, target: Path, dtype: torch.dtype) -> None:
+    """Write source's tensors, floating ones cast to dtype, as a safetensors file, one tensor at a
+    time. Written by hand because safetensors' save_file wants every tensor in memory at once (a
+    private copy of the whole model); the source is read with plain reads, not mapped, so its pages
+    never count in this process's RSS either."""
+    header, data_start = read_header(source)
+    layout: dict[str, dict] = {}
+    offset = 0
+    for name, meta in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+        stored = SAFETENSORS_DTYPES[meta["dtype"]]
+        out_dtype = dtype if stored.is_floating_point else stored
+        size = torch.Size(meta["shape"]).numel() * torch.empty((), dtype=out_dtype).element_size()
+        layout[name] = {"dtype": _torch_dtype_name(out_dtype), "shape": meta["shape"],
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps({"__metadata__": {"format": "pt"}, **layout}).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned, as safetensors writes
+    with open(source, "rb") as src, open(target, "wb") as out:
+        out.write(len(encoded).to_bytes(8, "little"))
+        out.write(encoded)
+        for name in layout:
+            meta = header[name]
+            start, end = meta["data_offsets"]
+            raw = torch.empty(end - start, dtype=torch.uint8)
+            src.seek(data_start + start)
+            src.readinto(memoryview(raw.numpy()))
+            tensor = raw.view(SAFETENSORS_DTYPES[meta["dtype"]])
+            if tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            out.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()))
+        out.flush()
+        os.fsync(out.fileno())
+
+
 def converted_dir(model_dir: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     """The model's safetensors files with floating tensors cast to dtype, written once per node.
 
     Lets every rank map bf16 weights when the model ships fp32 (instead of a private bf16 copy per
-    rank). Keyed by the source files' path, size and mtime; one shard at a time bounds memory.
+    rank). Keyed by the source files' path, size and mtime; one tensor at a time bounds memory.
     """
-    from safetensors.torch import save_file
-
     from cpudist.model import file_lock
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -72,14 +109,57 @@ def converted_dir(model_dir: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
             shutil.rmtree(target, ignore_errors=True)
             target.mkdir(parents=True)
             for file in files:
-                tensors = {key: tensor.to(dtype) if tensor.is_floating_point() else tensor.clone()
-                           for key, tensor in mapped_tensors(file).items()}
                 tmp = target / f".{file.name}.tmp"
-                save_file(tensors, str(tmp), metadata={"format": "pt"})
+                _convert_file(file, tmp, dtype)
                 os.replace(tmp, target / file.name)
-                del tensors
             (target / "done").write_text("")
     return target
+
+
+def mapped_source(model_dir: Path, dtype: torch.dtype, cache_dir: Path | None) -> Path | None:
+    """A directory whose safetensors files hold every floating tensor in dtype: the model's own,
+    or a converted copy (needs cache_dir; None without one)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    on_file = {SAFETENSORS_DTYPES.get(meta["dtype"]) for file in files
+               for meta in read_header(file)[0].values()}
+    if {d for d in on_file if d is not None and d.is_floating_point} <= {dtype}:
+        return Path(model_dir)
+    return None if cache_dir is None else converted_dir(Path(model_dir), dtype, cache_dir)
+
+
+def build_mapped(model_dir: Path, hf_config: Any, dtype: torch.dtype, cache_dir: Path,
+                 **from_config: Any) -> tuple[nn.Module, Path] | None:
+    """The model built without weights, then every parameter pointed at the mapped files.
+
+    from_pretrained would first fill a private copy of all weights while it maps the files (with an
+    fp32 file and bf16 compute: 2 GB of file pages + 1 GB private for Qwen2.5-0.5B, the run's peak
+    RSS); here the only memory is the mapping, touched as layers run. Returns None when the files'
+    tensor names do not cover the model exactly (renamed or fused checkpoints, quantized models):
+    the caller then loads normally.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files or getattr(hf_config, "quantization_config", None) is not None:
+        return None
+    source = mapped_source(model_dir, dtype, cache_dir)
+    if source is None:
+        return None
+    # Parameters on the meta device (no memory); buffers such as rotary inv_freq are computed as usual.
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **from_config)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(source.glob("*.safetensors")):
+        tensors.update(mapped_tensors(file))
+    result = model.load_state_dict(tensors, strict=False, assign=True)
+    model.tie_weights()  # tied heads point at the newly assigned embedding
+    left = [name for name, param in model.named_parameters() if param.is_meta]
+    if result.unexpected_keys or left:
+        log.debug("weights not mappable as is (unexpected %s, missing %s): normal load",
+                  result.unexpected_keys[:3], left[:3])
+        return None
+    return model, source
 
 
 def share_frozen_weights(model: nn.Module, model_dir: Path, cache_dir: Path | None = None

@@ -141,6 +141,51 @@ def test_bf16_weights_from_an_fp32_file_are_converted_once_and_shared(
     stamp = (converted[0] / "done").stat().st_mtime_ns
     _model(tiny_qwen, tmp_path, dtype="bfloat16", share=True)
     assert (converted[0] / "done").stat().st_mtime_ns == stamp  # reused, not rewritten
+    # The hand-written converted file is plain safetensors: the library reads it back as a cast.
+    from safetensors.torch import load_file
+
+    source, target = load_file(tiny_qwen / "model.safetensors"), load_file(
+        converted[0] / "model.safetensors")
+    assert target.keys() == source.keys()
+    for name, tensor in source.items():
+        assert torch.equal(target[name], tensor.to(torch.bfloat16)), name
+
+
+def test_mapped_weights_are_built_without_a_private_copy(tiny_llama: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    plain = _model(tiny_llama, tmp_path, share=False)
+
+    def copying_load(*_: object, **__: object) -> None:
+        raise AssertionError("from_pretrained would fill a private copy of every weight first")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", copying_load)
+    shared = _model(tiny_llama, tmp_path, share=True)
+    base = shared.get_base_model()
+    assert base.lm_head.weight is base.model.embed_tokens.weight  # still tied
+    assert all(_mapped_from(p, tiny_llama) for p in shared.parameters() if not p.requires_grad)
+    batch = collate(_split([10, 6], shared.config.vocab_size), [0, 1], pad_id=0)
+    with torch.no_grad():  # rotary buffers and every weight as a normal load has them
+        assert torch.equal(shared(**batch.as_kwargs()).logits, plain(**batch.as_kwargs()).logits)
+
+
+def test_weights_that_do_not_fit_by_name_load_normally_then_map(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    odd = tmp_path / "odd-model"
+    shutil.copytree(tiny_llama, odd)
+    tensors = load_file(odd / "model.safetensors")
+    tensors["extra.unused_weight"] = torch.ones(3)  # from_pretrained ignores it; assign can't
+    save_file(tensors, str(odd / "model.safetensors"), metadata={"format": "pt"})
+    plain = dict(_model(tiny_llama, tmp_path, share=False).named_parameters())
+    shared = _model(odd, tmp_path, share=True)
+    for name, param in shared.named_parameters():
+        assert torch.equal(param, plain[name]), name
+        assert param.requires_grad or _mapped_from(param, odd), name
 
 
 def test_training_with_packing_matches_padding(tiny_qwen: Path, chat_file: Path,
