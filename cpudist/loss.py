@@ -25,19 +25,38 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 targets: torch.Tensor, chunk: int) -> torch.Tensor:
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        # Two vocabulary-wide buffers serve every chunk. A fresh 100+ MB tensor per chunk and op
+        # cost more than the softmax itself: malloc maps such blocks anew each time and the kernel
+        # zero-fills every page on first touch (measured: a 156 MB copy 51 ms fresh, 6 ms reused).
+        width, vocab = min(chunk, hidden.shape[0]), weight.shape[0]
+        logits_buffer = torch.empty((width, vocab), dtype=weight.dtype)
+        fp32_buffer = (logits_buffer if weight.dtype == torch.float32
+                       else torch.empty((width, vocab), dtype=torch.float32))
         for start in range(0, hidden.shape[0], chunk):
-            rows = hidden[start : start + chunk]
+            rows = hidden[start : start + chunk].to(weight.dtype)
             target = targets[start : start + chunk]
-            # One fused log_softmax and an in-place exp: the vocabulary-wide rows are read and
-            # written as few times as possible (they, not the matmuls, made this slow).
-            logp = torch.log_softmax(F.linear(rows, weight, bias).float(), dim=-1)
+            logits = logits_buffer[: rows.shape[0]]
+            if bias is None:
+                torch.mm(rows, weight.t(), out=logits)
+            else:
+                torch.addmm(bias, rows, weight.t(), out=logits)
+            # log-probabilities in fp32, in place (the softmax reads a row before it writes it).
+            logp = fp32_buffer[: rows.shape[0]]
+            if logp is not logits:
+                logp.copy_(logits)
+            torch.log_softmax(logp, dim=-1, out=logp)
             total -= logp.gather(1, target[:, None]).sum()
             if grad_hidden is not None:
+                # d(CE)/d(logits) = softmax - one_hot, then back through the frozen head.
                 probs = logp.exp_()
                 probs[torch.arange(target.shape[0]), target] -= 1.0
-                grad_hidden[start : start + chunk] = probs.to(weight.dtype) @ weight
-                del probs
-            del logp  # free this chunk's rows before the next chunk allocates its own
+                if probs is not logits:
+                    logits.copy_(probs)
+                grad_rows = grad_hidden[start : start + chunk]
+                if grad_rows.dtype == weight.dtype:
+                    torch.mm(logits, weight, out=grad_rows)
+                else:
+                    grad_rows.copy_(logits @ weight)
         ctx.save_for_backward(grad_hidden)
         return total
 

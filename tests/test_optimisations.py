@@ -63,6 +63,21 @@ def test_chunked_label_only_loss_equals_full_logits(kind: str, request: pytest.F
         torch.testing.assert_close(chunked[2][name], grad, rtol=1e-4, atol=_atol(grad), msg=name)
 
 
+def test_chunked_loss_in_bf16_matches_the_full_logits_path(tiny_qwen: Path, tmp_path: Path) -> None:
+    # bf16 weights under autocast (the path taken on AVX512-BF16/AMX CPUs): both paths round the
+    # logits to bf16 and the logit gradient to bf16 before the head's matmul, in other orders.
+    model = _model(tiny_qwen, tmp_path, dtype="bfloat16")
+    batch = collate(_split([17, 9, 23], model.config.vocab_size), [0, 1, 2], pad_id=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full = _loss_and_grads(CausalLMLoss(model, chunk_size=0), batch)
+        chunked = _loss_and_grads(CausalLMLoss(model, chunk_size=5), batch)
+    assert chunked[0] == pytest.approx(full[0], rel=1e-3)
+    for name, grad in full[2].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(chunked[2][name], grad, rtol=2e-2, atol=2e-2 * float(grad.abs().max()),
+                                   msg=name)
+
+
 def test_packed_rows_equal_separate_samples(tiny_qwen: Path, tmp_path: Path) -> None:
     model = _model(tiny_qwen, tmp_path)
     data = _split([12, 7, 20, 5], model.config.vocab_size)
