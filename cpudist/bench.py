@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cpudist.allocator import in_use as allocator_in_use
 from cpudist.config import Config, load_config
 from cpudist.errors import UserError
 
@@ -478,7 +479,7 @@ def _bench(config: Config, args: BenchArgs, placement: Any, threads: int, dist: 
         "steps": args.steps, "warmup_steps": args.warmup, "step_s": step_times,
         "data": data_desc, "model_dir": str(model_dir), "preset": args.preset,
         "layers": args.layers, "flop_model": flops.as_dict(),
-        "allocator": _allocator_in_use(), "framework": "cpudist",
+        "allocator": allocator_in_use(), "framework": "cpudist",
         "config": config.to_dict(),
     }
 
@@ -487,15 +488,6 @@ def _peak_rss_gb() -> float:
     from cpudist.report import peak_rss_gb
 
     return peak_rss_gb()
-
-
-def _allocator_in_use() -> str:
-    preload = os.environ.get("LD_PRELOAD", "")
-    for name in ("jemalloc", "tcmalloc"):
-        if name in preload:
-            conf = os.environ.get("MALLOC_CONF", "")
-            return f"{name} ({conf})" if conf else name
-    return "glibc malloc"
 
 
 # --------------------------------------------------------------------------- reporting
@@ -538,16 +530,14 @@ def format_table(results: dict[str, dict[str, Any]], ratio_of: tuple[str, str] |
 # --------------------------------------------------------------------------- vs Hugging Face
 
 
-def _subprocess_env(allocator: str) -> dict[str, str]:
-    from cpudist.launcher import JEMALLOC_CONF, choose_allocator
+def _subprocess_env(allocator: str | None) -> dict[str, str]:
+    """This process's environment with the requested allocator (default: the one it runs on
+    itself, cpudist.allocator) for a benchmark child process: cpudist and HF get the same."""
+    from cpudist.allocator import ENV, choose_allocator, preload_env
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    name, lib = choose_allocator(allocator)  # type: ignore[arg-type]
-    if lib:
-        env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
-        if name == "jemalloc":
-            env["MALLOC_CONF"] = JEMALLOC_CONF
-    return env
+    name, lib = choose_allocator(allocator or os.environ.get(ENV) or "auto")
+    return {**os.environ, "PYTHONUNBUFFERED": "1",
+            **preload_env(name, lib, os.environ.get("LD_PRELOAD"))}
 
 
 def _run_json(cmd: list[str], env: dict[str, str], what: str) -> dict[str, Any]:
@@ -584,7 +574,7 @@ def hf_command(config: Config, args: BenchArgs) -> list[str]:
 
 
 def run_vs_hf(config_path: str | None, overrides: list[str], args: BenchArgs, config: Config,
-              rounds: int, allocator: str) -> dict[str, Any]:
+              rounds: int, allocator: str | None) -> dict[str, Any]:
     """Alternate cpudist and HF runs (separate processes); best figures of each, and ratios."""
     ours = [sys.executable, "-m", "cpudist.cli", "bench"]
     if config_path:
@@ -637,14 +627,16 @@ def _flag_args(args: BenchArgs) -> list[str]:
 
 
 def run_scaling(config_path: str | None, overrides: list[str], args: BenchArgs,
-                counts: list[int], total_threads: int, allocator: str, per_rank_batch: bool = False
+                counts: list[int], total_threads: int, allocator: str | None,
+                per_rank_batch: bool = False
                 ) -> list[dict[str, Any]]:
     """The bench under mpirun at each rank count, threads split between the ranks; the mpirun
     command (binding, thread variables, allocator preload) is the one `cpudist launch` builds."""
-    from cpudist.launcher import build_command, choose_allocator, detect_mpi
+    from cpudist.allocator import ENV, choose_allocator
+    from cpudist.launcher import build_command, detect_mpi
 
     mpi = detect_mpi()
-    name, lib = choose_allocator(allocator)  # type: ignore[arg-type]
+    name, lib = choose_allocator(allocator or os.environ.get(ENV) or "auto")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     rows = []
     for np in counts:
@@ -706,8 +698,9 @@ def _add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, help="data.max_length (synthetic row length)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="model.dtype")
     parser.add_argument("--threads", type=int, help="dist.threads_per_rank")
-    parser.add_argument("--allocator", default="none", choices=["auto", "jemalloc", "tcmalloc", "none"],
-                        help="preload this allocator into the benchmark processes (--vs, scaling)")
+    parser.add_argument("--allocator", choices=["auto", "jemalloc", "tcmalloc", "none"],
+                        help="malloc of the benchmark processes (default: CPUDIST_ALLOCATOR, else "
+                             "auto = jemalloc when installed); --vs runs both sides on it")
     parser.add_argument("--json", type=Path, help="write the result here")
 
 
@@ -739,13 +732,7 @@ def bench_main(ns: argparse.Namespace) -> int:
             plot_vs(outcome, ns.json.with_suffix(".png"))
             print(f"written: {ns.json}, {ns.json.with_suffix('.png')}")
         return 0
-    if ns.allocator != "none":
-        # Preloading must happen before the process starts: run ourselves again with it.
-        cmd = [sys.executable, "-m", "cpudist.cli", "bench"] + (
-            [config_path] if config_path else []) + [*overrides, *_flag_args(args)]
-        result = _run_json(cmd, _subprocess_env(ns.allocator), "cpudist bench")
-    else:
-        result = run_bench(config, args)
+    result = run_bench(config, args)  # on --allocator: the CLI started this process on it
     if result is None:  # not rank 0
         return 0
     print(format_table({"cpudist": result}))

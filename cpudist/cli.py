@@ -30,6 +30,20 @@ COMMANDS = {
 }
 
 
+# Commands that train or run a model: they run on the chosen malloc (cpudist.allocator), set up
+# before their module (and torch) is even imported.
+COMPUTE_COMMANDS = ("train", "bench", "merge", "generate", "eval")
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cpudist",
@@ -46,10 +60,18 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
-    debug = args.debug or os.environ.get("CPUDIST_DEBUG") == "1"
+    given = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in given or os.environ.get("CPUDIST_DEBUG") == "1"
     try:
+        words = [a for a in given if not a.startswith("-")]
+        if argv is None and words and words[0] in COMPUTE_COMMANDS:
+            # Only a real command line: a caller passing argv (tests, scripts) keeps its process.
+            from cpudist import allocator
+
+            allocator.ensure(_flag_value(given, "--allocator"))
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        debug = debug or args.debug
         return int(args.func(args) or 0)
     except UserError as exc:
         if debug:

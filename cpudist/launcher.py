@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -31,17 +30,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cpudist import hostfile as hostfiles
+from cpudist.allocator import choose_allocator, preload_env
 from cpudist.errors import UserError
 
 Flavour = Literal["openmpi", "mpich", "intel"]
-Allocator = Literal["auto", "jemalloc", "tcmalloc", "none"]
 
 # Only used when the ranks are bound to their own cores: Intel OpenMP pins threads "compact"
 # from core 0 of the rank's mask; unbound ranks would all pin onto the same first cores.
 KMP_AFFINITY = "granularity=fine,compact,1,0"
-# Measured (docs/FACTS): jemalloc that never hands memory back removes most per-step page faults;
-# jemalloc's defaults were slower than glibc malloc.
-JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 # Variables forwarded to remote ranks when they are set here (Open MPI warns about unset ones).
 FORWARD_ENV = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "HF_HOME", "HF_HUB_OFFLINE",
                "TRANSFORMERS_OFFLINE", "CPUDIST_DEBUG", "OMP_WAIT_POLICY")
@@ -110,50 +106,6 @@ def detect_mpi(explicit: str | None = None) -> MpiInfo:
     return MpiInfo(flavour, mpirun, first.strip())
 
 
-# --------------------------------------------------------------------------- allocator
-
-
-def _lib_dirs() -> list[Path]:
-    machine = platform.machine()
-    dirs = [Path(sys.prefix) / "lib", Path(f"/usr/lib/{machine}-linux-gnu"),
-            Path(f"/lib/{machine}-linux-gnu"), Path("/usr/lib64"), Path("/usr/local/lib"),
-            Path("/usr/lib"), Path("/lib64")]
-    return [d for d in dirs if d.is_dir()]
-
-
-def find_allocator(name: str, dirs: Sequence[Path] | None = None) -> str | None:
-    """Path of libjemalloc / libtcmalloc(_minimal) in the usual places, or None."""
-    patterns = {"jemalloc": ["libjemalloc.so*"],
-                "tcmalloc": ["libtcmalloc.so*", "libtcmalloc_minimal.so*"]}[name]
-    for directory in dirs if dirs is not None else _lib_dirs():
-        for pattern in patterns:
-            # Shortest name first: prefer libjemalloc.so.2 over libjemalloc.so.2.debug-like names.
-            matches = sorted(directory.glob(pattern), key=lambda p: (len(p.name), p.name))
-            if matches:
-                return str(matches[0])
-    return None
-
-
-def choose_allocator(request: Allocator, dirs: Sequence[Path] | None = None
-                     ) -> tuple[str | None, str | None]:
-    """(allocator name, library path) for --allocator; (None, None) for glibc malloc."""
-    if request == "none":
-        return None, None
-    if request == "auto":
-        for name in ("jemalloc", "tcmalloc"):
-            lib = find_allocator(name, dirs)
-            if lib:
-                return name, lib
-        return None, None
-    lib = find_allocator(request, dirs)
-    if lib is None:
-        package = {"jemalloc": "libjemalloc2", "tcmalloc": "libgoogle-perftools4"}[request]
-        raise UserError(
-            f"--allocator {request}: lib{request} not found in {', '.join(map(str, _lib_dirs()))}; "
-            f"install it (apt-get install {package}) or use --allocator auto|none")
-    return request, lib
-
-
 # --------------------------------------------------------------------------- command
 
 
@@ -193,10 +145,10 @@ def _rank_env(layout: Layout, allocator: str | None, preload: str | None,
         # PyTorch wheels use; KMP_BLOCKTIME does not reach it) steal them from the other ranks.
         # Measured: 2 ranks x 2 threads on 2 cores, 33 s/step spinning vs 3.3 s/step passive.
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    if preload:
-        env["LD_PRELOAD"] = f"{preload}:{ld_preload}" if ld_preload else preload
-        if allocator == "jemalloc":
-            env["MALLOC_CONF"] = JEMALLOC_CONF
+    # The ranks' cpudist commands see ENV and keep this choice (allocator.ensure).
+    env.update(preload_env(allocator, preload, ld_preload))
+    if not preload:
+        del env["LD_PRELOAD"]  # nothing to preload: the ranks keep the environment's own
     return env
 
 

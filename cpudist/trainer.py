@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpudist import checkpoint as ckpt
+from cpudist.allocator import in_use as allocator_in_use
 from cpudist.cluster import (
     Placement,
     configure_logging,
@@ -377,7 +378,7 @@ def _train(config: Config, placement: Placement, threads: int, cpus: list[int] |
     log.info("config:\n%s", config.to_yaml().rstrip())
     log.info("ranks: %d (%s), this node: %d, threads per rank: %d, cores: %s", world,
              placement.launcher, placement.local_size, threads, _cpu_list(cpus))
-    log.info("communication: %s", comm)
+    log.info("communication: %s; malloc: %s", comm, allocator_in_use())
 
     random.seed(tc.seed)
     torch.manual_seed(tc.seed)  # same LoRA init on every rank

@@ -47,6 +47,15 @@ def test_bench_writes_every_figure(tiny_qwen: Path, tmp_path: Path) -> None:
     assert figures["padding_fraction"] == 0.0
     assert figures["config"]["model"]["path"] == str(tiny_qwen)
     assert figures["config"]["data"]["max_length"] == 32
+    from cpudist.allocator import choose_allocator
+
+    # The CLI ran itself again on jemalloc (when installed): read back from the process's maps.
+    assert figures["allocator"].split(" ")[0] == (choose_allocator("auto")[0] or "glibc")
+
+
+def test_bench_allocator_none_runs_on_glibc_malloc(tiny_qwen: Path, tmp_path: Path) -> None:
+    figures, _ = _bench(tiny_qwen, tmp_path, "--allocator", "none")
+    assert figures["allocator"] == "glibc malloc"
 
 
 def test_bench_instruct_masks_prompts_and_packing_removes_padding(
