@@ -574,17 +574,21 @@ def hf_command(config: Config, args: BenchArgs) -> list[str]:
 
 
 def run_vs_hf(config_path: str | None, overrides: list[str], args: BenchArgs, config: Config,
-              rounds: int, allocator: str | None) -> dict[str, Any]:
-    """Alternate cpudist and HF runs (separate processes); best figures of each, and ratios."""
+              rounds: int, allocator: str | None, hf_allocator: str) -> dict[str, Any]:
+    """Alternate cpudist and HF runs (separate processes); best figures of each, and ratios.
+
+    Each side runs on its own allocator: cpudist's (default auto, as `cpudist train` runs) and
+    hf_allocator (default none: glibc malloc, as HF Trainer runs unless a user preloads one).
+    """
     ours = [sys.executable, "-m", "cpudist.cli", "bench"]
     if config_path:
         ours.append(config_path)
     ours += [*overrides, *_flag_args(args)]
-    env = _subprocess_env(allocator)
+    env, hf_env = _subprocess_env(allocator), _subprocess_env(hf_allocator)
     runs: dict[str, list[dict[str, Any]]] = {"cpudist": [], "hf": []}
     for _ in range(rounds):
         runs["cpudist"].append(_run_json(ours, env, "cpudist bench"))
-        runs["hf"].append(_run_json(hf_command(config, args), env, "Hugging Face baseline"))
+        runs["hf"].append(_run_json(hf_command(config, args), hf_env, "Hugging Face baseline"))
     best = {name: max(items, key=lambda r: r["tokens_per_s"]) for name, items in runs.items()}
     ratios = {key: figure(best["cpudist"], key) / figure(best["hf"], key)
               for key, _, _ in FIGURES if key in best["hf"] and figure(best["hf"], key)}
@@ -723,7 +727,8 @@ def bench_main(ns: argparse.Namespace) -> int:
     config_path, overrides, args = _bench_args(ns)
     config = bench_config(config_path, overrides, args)
     if ns.vs == "hf":
-        outcome = run_vs_hf(config_path, overrides, args, config, ns.rounds, ns.allocator)
+        outcome = run_vs_hf(config_path, overrides, args, config, ns.rounds, ns.allocator,
+                            ns.hf_allocator)
         table = format_table({"cpudist": outcome["cpudist"], "hf": outcome["hf"]},
                              ratio_of=("cpudist", "hf"))
         print(table)
@@ -776,6 +781,9 @@ def register(subparsers: Any) -> None:
                         "same model, data and settings (separate processes) and print ratios")
     parser.add_argument("--rounds", type=int, default=1,
                         help="with --vs: alternate cpudist/HF this many times, keep the best")
+    parser.add_argument("--hf-allocator", default="none", choices=["auto", "jemalloc", "tcmalloc", "none"],
+                        help="with --vs: malloc of the HF side (default none: glibc malloc, as HF "
+                             "Trainer runs unless you preload one; auto gives it cpudist's)")
     parser.set_defaults(func=bench_main)
 
     scaling = subparsers.add_parser(

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
+    from cpudist.allocator import in_use as allocator_in_use
     from cpudist.bench import PssSampler, flop_model, gemm_peak
     from cpudist.hardware import choose_dtype
     from cpudist.quiet import quiet_libraries
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": f"{dtype_name}: {why}", "threads": torch.get_num_threads(), "world_size": 1,
         "steps": len(timed), "warmup_steps": args.warmup, "step_s": timed, "data": desc,
         "model_dir": args.model, "flop_model": flops.as_dict(), "framework": "hf-trainer+peft",
+        "allocator": allocator_in_use(),
         "host": socket.gethostname(), "settings": {k: str(v) for k, v in vars(args).items()},
     }
     print(json.dumps({k: v for k, v in result.items() if k not in ("settings", "step_s")}))

@@ -133,6 +133,11 @@ def test_bench_vs_hf_prints_ratios(tiny_qwen: Path, tmp_path: Path) -> None:
     assert set(figures) >= {"cpudist", "hf", "ratios"}
     hf = figures["hf"]
     assert hf["framework"].startswith("hf-trainer") and hf["steps"] == 2
+    # Each side on its own default malloc: HF as users run it, cpudist as `cpudist train` does.
+    from cpudist.allocator import choose_allocator
+
+    assert hf["allocator"] == "glibc malloc"
+    assert figures["cpudist"]["allocator"].split(" ")[0] == (choose_allocator("auto")[0] or "glibc")
     # Same model, rows and FLOP formula on both sides.
     assert hf["flop_model"] == figures["cpudist"]["flop_model"]
     assert hf["tokens_per_s"] * hf["s_per_step"] == pytest.approx(2 * 32)

@@ -47,3 +47,7 @@ def test_env_command_reports_machine() -> None:
         assert key in keys, key
     expected, _ = choose_dtype("auto")
     assert any(line.startswith("dtype (auto)") and expected in line for line in result.stdout.splitlines())
+    from cpudist.allocator import choose_allocator
+
+    malloc = next(line for line in result.stdout.splitlines() if line.startswith("malloc"))
+    assert (choose_allocator("auto")[0] or "glibc malloc") in malloc and "CPUDIST_ALLOCATOR=auto" in malloc

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from cpudist.cluster import ccl_available, detect_placement, physical_cores, threads_for_rank
+from cpudist.errors import UserError
 from cpudist.hardware import choose_dtype, cpu_info
 
 
@@ -45,6 +46,20 @@ def mpi_library() -> str:
     return f"{first.strip()} ({mpirun})"
 
 
+def _malloc() -> str:
+    from cpudist.allocator import ENV, choose_allocator
+
+    request = os.environ.get(ENV) or "auto"
+    try:
+        name, lib = choose_allocator(request)
+    except UserError as exc:
+        return str(exc)
+    if name is None:
+        hint = "" if request == "none" else " (apt-get install libjemalloc2 for faster steps)"
+        return f"glibc malloc, {ENV}={request}{hint}"
+    return f"{name} {lib}, {ENV}={request}"
+
+
 def report() -> list[tuple[str, str]]:
     import torch
 
@@ -62,6 +77,7 @@ def report() -> list[tuple[str, str]]:
         ("placement", f"rank {placement.rank}/{placement.world_size} via {placement.launcher}, "
                       f"{placement.local_size} on this node"),
         ("threads per rank", str(threads_for_rank(placement))),
+        ("malloc (train, bench, ...)", _malloc()),
         ("python", platform.python_version()),
         ("torch", f"{torch.__version__} (gloo: {torch.distributed.is_gloo_available()})"),
         ("transformers", _version("transformers")),
