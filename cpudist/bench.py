@@ -540,16 +540,27 @@ def _subprocess_env(allocator: str | None) -> dict[str, str]:
             **preload_env(name, lib, os.environ.get("LD_PRELOAD"))}
 
 
-def _run_json(cmd: list[str], env: dict[str, str], what: str) -> dict[str, Any]:
+RESULT_MARK = "CPUDIST_BENCH_RESULT "
+
+
+def _run_json(cmd: list[str], env: dict[str, str], what: str, on_stdout: bool = False
+              ) -> dict[str, Any]:
+    """Run a benchmark process and return its result: the --json file it wrote, or (on_stdout:
+    `--json -`) the one line it printed after RESULT_MARK, which also works when it ran elsewhere."""
     with tempfile.TemporaryDirectory(prefix="cpudist-bench-") as tmp:
         out = Path(tmp) / "result.json"
-        print(f"$ {' '.join(cmd)} --json {out}", file=sys.stderr, flush=True)
-        proc = subprocess.run([*cmd, "--json", str(out)], env=env, text=True,
+        target = "-" if on_stdout else str(out)
+        print(f"$ {' '.join(cmd)} --json {target}", file=sys.stderr, flush=True)
+        proc = subprocess.run([*cmd, "--json", target], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        if proc.returncode != 0 or not out.exists():
-            tail = "\n".join(proc.stdout.splitlines()[-15:])
-            raise UserError(f"{what} failed (exit {proc.returncode}):\n{tail}")
-        return json.loads(out.read_text())
+        printed = [line[line.index(RESULT_MARK) + len(RESULT_MARK):]
+                   for line in proc.stdout.splitlines() if RESULT_MARK in line]
+        if proc.returncode == 0 and on_stdout and printed:
+            return json.loads(printed[-1])
+        if proc.returncode == 0 and not on_stdout and out.exists():
+            return json.loads(out.read_text())
+        tail = "\n".join(proc.stdout.splitlines()[-15:])
+        raise UserError(f"{what} failed (exit {proc.returncode}):\n{tail}")
 
 
 def hf_command(config: Config, args: BenchArgs) -> list[str]:
@@ -632,34 +643,47 @@ def _flag_args(args: BenchArgs) -> list[str]:
 
 def run_scaling(config_path: str | None, overrides: list[str], args: BenchArgs,
                 counts: list[int], total_threads: int, allocator: str | None,
-                per_rank_batch: bool = False
-                ) -> list[dict[str, Any]]:
-    """The bench under mpirun at each rank count, threads split between the ranks; the mpirun
-    command (binding, thread variables, allocator preload) is the one `cpudist launch` builds."""
+                per_rank_batch: bool = False, hostfile: str | None = None,
+                mpi_args: list[str] | None = None) -> list[dict[str, Any]]:
+    """The bench under mpirun at each rank count, threads split between the ranks of a node; the
+    mpirun command (hostfile, binding, thread variables, allocator preload) is the one `cpudist
+    launch` builds. Rank 0 prints its figures on stdout, so it may run on another node."""
     from cpudist.allocator import ENV, choose_allocator
-    from cpudist.launcher import build_command, detect_mpi
+    from cpudist.launcher import (
+        FORWARD_ENV,
+        build_command,
+        detect_mpi,
+        plan_layout,
+        prepare_hostfile,
+    )
 
     mpi = detect_mpi()
     name, lib = choose_allocator(allocator or os.environ.get(ENV) or "auto")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     rows = []
-    for np in counts:
-        threads = max(1, total_threads // np)
-        batch = args.batch_size
-        if batch and not per_rank_batch:
-            # Same global batch at every rank count: each rank gets its share.
-            if batch % np:
-                raise UserError(f"--batch-size {batch} does not split over {np} ranks; choose a "
-                                "multiple of every rank count, or pass --per-rank-batch")
-            batch //= np
-        flags = _flag_args(BenchArgs(**{**args.__dict__, "threads": threads, "batch_size": batch}))
-        program = ["bench"] + ([config_path] if config_path else []) + [*overrides, *flags]
-        cmd = build_command(mpi, np, program, python=sys.executable, cores_per_node=total_threads,
-                            threads_per_rank=threads, allocator=name, preload=lib,
-                            ld_preload=os.environ.get("LD_PRELOAD"),
-                            as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
-        result = _run_json(cmd, env, f"bench with {np} rank(s)")
-        rows.append(result)
+    with tempfile.TemporaryDirectory(prefix="cpudist-scaling-") as workdir:
+        path, hosts = prepare_hostfile(hostfile, mpi, workdir) if hostfile else (None, None)
+        for np in counts:
+            # total_threads are one node's: the busiest node's ranks share them.
+            threads = plan_layout(np, total_threads, hosts, None).threads
+            batch = args.batch_size
+            if batch and not per_rank_batch:
+                # Same global batch at every rank count: each rank gets its share.
+                if batch % np:
+                    raise UserError(f"--batch-size {batch} does not split over {np} ranks; choose "
+                                    "a multiple of every rank count, or pass --per-rank-batch")
+                batch //= np
+            flags = _flag_args(BenchArgs(**{**args.__dict__, "threads": threads,
+                                            "batch_size": batch}))
+            program = ["bench"] + ([config_path] if config_path else []) + [*overrides, *flags]
+            cmd = build_command(mpi, np, program, python=sys.executable,
+                                cores_per_node=total_threads, hostfile=path, hosts=hosts,
+                                threads_per_rank=threads, allocator=name, preload=lib,
+                                ld_preload=os.environ.get("LD_PRELOAD"),
+                                forward=[n for n in FORWARD_ENV if os.environ.get(n)],
+                                as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+                                mpi_args=mpi_args or [])
+            rows.append(_run_json(cmd, env, f"bench with {np} rank(s)", on_stdout=True))
     return rows
 
 
@@ -705,7 +729,8 @@ def _add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allocator", choices=["auto", "jemalloc", "tcmalloc", "none"],
                         help="malloc of the benchmark processes (default: CPUDIST_ALLOCATOR, else "
                              "auto = jemalloc when installed); --vs runs both sides on it")
-    parser.add_argument("--json", type=Path, help="write the result here")
+    parser.add_argument("--json", type=Path,
+                        help="write the result here (bench: - prints it as one line on stdout)")
 
 
 def _bench_args(ns: argparse.Namespace) -> tuple[str | None, list[str], BenchArgs]:
@@ -741,7 +766,9 @@ def bench_main(ns: argparse.Namespace) -> int:
     if result is None:  # not rank 0
         return 0
     print(format_table({"cpudist": result}))
-    if ns.json:
+    if ns.json == Path("-"):
+        print(RESULT_MARK + json.dumps(result), flush=True)
+    elif ns.json:
         ns.json.write_text(json.dumps(result, indent=1))
     return 0
 
@@ -761,7 +788,7 @@ def scaling_main(ns: argparse.Namespace) -> int:
     if args.batch_size is None and not ns.per_rank_batch:
         args.batch_size = load_config(config_path, overrides).train.batch_size
     rows = run_scaling(config_path, overrides, args, counts, total, ns.allocator,
-                       ns.per_rank_batch)
+                       ns.per_rank_batch, ns.hostfile, ns.mpi_arg)
     md_path = write_scaling(rows, ns.out)
     print(md_path.read_text())
     print(f"written: {md_path}, {ns.out / 'scaling.json'}, {ns.out / 'scaling.png'}")
@@ -793,7 +820,13 @@ def register(subparsers: Any) -> None:
     _add_bench_flags(scaling)
     scaling.add_argument("--np", default="1,2", help="rank counts, comma separated (default 1,2)")
     scaling.add_argument("--total-threads", type=int,
-                         help="threads shared by the ranks (default: physical cores)")
+                         help="threads of one node, shared by its ranks (default: this machine's "
+                              "physical cores)")
+    scaling.add_argument("--hostfile", "-f",
+                         help="run the ranks on these hosts, as `cpudist launch --hostfile` (same "
+                              "path, venv and .cache/bench on every node)")
+    scaling.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",
+                         help="extra argument for mpirun, repeatable (--mpi-arg=--mca ...)")
     scaling.add_argument("--per-rank-batch", action="store_true",
                          help="keep --batch-size per rank (default: the global batch is kept and "
                               "split between the ranks)")

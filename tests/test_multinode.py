@@ -127,3 +127,28 @@ def test_two_node_train_allreduces_over_the_veth(netns_cluster: NetnsCluster,  #
         assert sent > grad_bytes * TRAIN_STEPS, (
             f"{node} sent {sent} bytes on {netns_cluster.ifname}, less than "
             f"{TRAIN_STEPS} steps x {grad_bytes} gradient bytes")
+
+
+@pytest.mark.slow
+def test_scaling_over_two_nodes_reads_rank0_figures_from_stdout(
+        netns_cluster: NetnsCluster, tiny_qwen: Path, tmp_path: Path) -> None:  # noqa: F811
+    """`cpudist scaling --hostfile`: the 2-rank bench runs one rank per fake node with the
+    launcher's command; its figures come back on rank 0's stdout (no shared output file needed)."""
+    import os
+
+    node0, node1 = netns_cluster.nodes
+    hosts = netns_cluster.write_hostfile(tmp_path / "scaling.hosts")
+    out = tmp_path / "scaling"
+    argv = [sys.executable, "-m", "cpudist.cli", "scaling", "--np", "2", "--hostfile", str(hosts),
+            *(f"--mpi-arg={arg}" for arg in netns_cluster.mpi_args()), "--allocator", "none",
+            f"model.path={tiny_qwen}", f"data.cache_dir={tmp_path / 'data-cache'}",
+            f"dist.interface={netns_cluster.ifname}", "--steps", "2", "--seq-len", "32",
+            "--batch-size", "2", "--dtype", "float32", "--total-threads", "1", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = netns_cluster.run(node0, argv, timeout=300, env=env)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    (row,) = json.loads((out / "scaling.json").read_text())
+    assert row["world_size"] == 2 and row["threads"] == 1
+    assert row["config"]["train"]["batch_size"] == 1  # the global batch of 2, one row per rank
+    assert len(row["peak_rss_gb"]) == 2
+    assert "--hostfile" in done.stderr and "--map-by" in done.stderr
