@@ -116,15 +116,15 @@ def converted_dir(model_dir: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     return target
 
 
-def mapped_source(model_dir: Path, dtype: torch.dtype, cache_dir: Path | None) -> Path | None:
+def mapped_source(model_dir: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     """A directory whose safetensors files hold every floating tensor in dtype: the model's own,
-    or a converted copy (needs cache_dir; None without one)."""
+    or a copy converted once under cache_dir."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     on_file = {SAFETENSORS_DTYPES.get(meta["dtype"]) for file in files
                for meta in read_header(file)[0].values()}
     if {d for d in on_file if d is not None and d.is_floating_point} <= {dtype}:
         return Path(model_dir)
-    return None if cache_dir is None else converted_dir(Path(model_dir), dtype, cache_dir)
+    return converted_dir(Path(model_dir), dtype, cache_dir)
 
 
 def build_mapped(model_dir: Path, hf_config: Any, dtype: torch.dtype, cache_dir: Path,
@@ -144,8 +144,6 @@ def build_mapped(model_dir: Path, hf_config: Any, dtype: torch.dtype, cache_dir:
     if not files or getattr(hf_config, "quantization_config", None) is not None:
         return None
     source = mapped_source(model_dir, dtype, cache_dir)
-    if source is None:
-        return None
     # Parameters on the meta device (no memory); buffers such as rotary inv_freq are computed as usual.
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **from_config)
@@ -172,16 +170,11 @@ def share_frozen_weights(model: nn.Module, model_dir: Path, cache_dir: Path | No
     """
     params = {name: param for name, param in model.named_parameters() if not param.requires_grad}
     source = Path(model_dir)
-    files = sorted(source.glob("*.safetensors"))
-    if cache_dir is not None and files:
-        wanted = {p.dtype for p in params.values() if p.is_floating_point()}
-        header, _ = read_header(files[0])
-        on_file = {SAFETENSORS_DTYPES.get(meta["dtype"]) for meta in header.values()}
-        if len(wanted) == 1 and not wanted <= on_file:
-            source = converted_dir(source, wanted.pop(), cache_dir)
-            files = sorted(source.glob("*.safetensors"))
+    wanted = {p.dtype for p in params.values() if p.is_floating_point()}
+    if cache_dir is not None and len(wanted) == 1:
+        source = mapped_source(source, wanted.pop(), cache_dir)
     count = 0
-    for file in files:
+    for file in sorted(source.glob("*.safetensors")):
         for name, tensor in mapped_tensors(file).items():
             param = params.get(name)
             if param is None or param.dtype != tensor.dtype or param.shape != tensor.shape:
