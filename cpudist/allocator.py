@@ -77,6 +77,11 @@ def choose_allocator(request: str, dirs: Sequence[Path] | None = None
     return request, lib
 
 
+def requested(explicit: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The allocator asked for: a flag's value, else ENV, else auto."""
+    return explicit or (os.environ if environ is None else environ).get(ENV) or "auto"
+
+
 def _is_allocator(entry: str) -> bool:
     return any(Path(entry).name.startswith(prefix)
                for names in LIBRARY_NAMES.values() for prefix in names)
@@ -110,7 +115,7 @@ def ensure(request: str | None = None, environ: Mapping[str, str] | None = None)
     """Run this process again (same pid, same arguments) on the requested allocator when it runs
     on another one; call before anything big is allocated. request: default ENV, else auto."""
     environ = os.environ if environ is None else environ
-    request = request or environ.get(ENV) or "auto"
+    request = requested(request, environ)
     if os.environ.pop(_REEXECUTED, None) or sys.platform != "linux":
         return  # this is the run again (the marker must not reach child processes)
     name, lib = choose_allocator(request)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cpudist.allocator import CHOICES as ALLOCATORS
 from cpudist.allocator import in_use as allocator_in_use
 from cpudist.config import Config, load_config
 from cpudist.errors import UserError
@@ -531,11 +532,11 @@ def format_table(results: dict[str, dict[str, Any]], ratio_of: tuple[str, str] |
 
 
 def _subprocess_env(allocator: str | None) -> dict[str, str]:
-    """This process's environment with the requested allocator (default: the one it runs on
-    itself, cpudist.allocator) for a benchmark child process: cpudist and HF get the same."""
-    from cpudist.allocator import ENV, choose_allocator, preload_env
+    """This process's environment set up for a benchmark child process to run on `allocator`
+    (None: what cpudist.allocator.requested says)."""
+    from cpudist.allocator import choose_allocator, preload_env, requested
 
-    name, lib = choose_allocator(allocator or os.environ.get(ENV) or "auto")
+    name, lib = choose_allocator(requested(allocator))
     return {**os.environ, "PYTHONUNBUFFERED": "1",
             **preload_env(name, lib, os.environ.get("LD_PRELOAD"))}
 
@@ -648,17 +649,17 @@ def run_scaling(config_path: str | None, overrides: list[str], args: BenchArgs,
     """The bench under mpirun at each rank count, threads split between the ranks of a node; the
     mpirun command (hostfile, binding, thread variables, allocator preload) is the one `cpudist
     launch` builds. Rank 0 prints its figures on stdout, so it may run on another node."""
-    from cpudist.allocator import ENV, choose_allocator
+    from cpudist.allocator import choose_allocator, requested
     from cpudist.launcher import (
-        FORWARD_ENV,
         build_command,
+        caller_settings,
         detect_mpi,
         plan_layout,
         prepare_hostfile,
     )
 
     mpi = detect_mpi()
-    name, lib = choose_allocator(allocator or os.environ.get(ENV) or "auto")
+    name, lib = choose_allocator(requested(allocator))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     rows = []
     with tempfile.TemporaryDirectory(prefix="cpudist-scaling-") as workdir:
@@ -679,10 +680,7 @@ def run_scaling(config_path: str | None, overrides: list[str], args: BenchArgs,
             cmd = build_command(mpi, np, program, python=sys.executable,
                                 cores_per_node=total_threads, hostfile=path, hosts=hosts,
                                 threads_per_rank=threads, allocator=name, preload=lib,
-                                ld_preload=os.environ.get("LD_PRELOAD"),
-                                forward=[n for n in FORWARD_ENV if os.environ.get(n)],
-                                as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
-                                mpi_args=mpi_args or [])
+                                mpi_args=mpi_args or [], **caller_settings(os.environ))
             rows.append(_run_json(cmd, env, f"bench with {np} rank(s)", on_stdout=True))
     return rows
 
@@ -726,9 +724,9 @@ def _add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, help="data.max_length (synthetic row length)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="model.dtype")
     parser.add_argument("--threads", type=int, help="dist.threads_per_rank")
-    parser.add_argument("--allocator", choices=["auto", "jemalloc", "tcmalloc", "none"],
-                        help="malloc of the benchmark processes (default: CPUDIST_ALLOCATOR, else "
-                             "auto = jemalloc when installed); --vs runs both sides on it")
+    parser.add_argument("--allocator", choices=ALLOCATORS,
+                        help="malloc of cpudist's benchmark processes (default: CPUDIST_ALLOCATOR, "
+                             "else auto = jemalloc when installed); --hf-allocator sets HF's")
     parser.add_argument("--json", type=Path,
                         help="write the result here (bench: - prints it as one line on stdout)")
 
@@ -808,7 +806,7 @@ def register(subparsers: Any) -> None:
                         "same model, data and settings (separate processes) and print ratios")
     parser.add_argument("--rounds", type=int, default=1,
                         help="with --vs: alternate cpudist/HF this many times, keep the best")
-    parser.add_argument("--hf-allocator", default="none", choices=["auto", "jemalloc", "tcmalloc", "none"],
+    parser.add_argument("--hf-allocator", default="none", choices=ALLOCATORS,
                         help="with --vs: malloc of the HF side (default none: glibc malloc, as HF "
                              "Trainer runs unless you preload one; auto gives it cpudist's)")
     parser.set_defaults(func=bench_main)

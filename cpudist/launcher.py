@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cpudist import hostfile as hostfiles
+from cpudist.allocator import CHOICES as ALLOCATORS
 from cpudist.allocator import choose_allocator, preload_env
 from cpudist.errors import UserError
 
@@ -232,6 +233,14 @@ def build_command(
     return cmd
 
 
+def caller_settings(environ: Mapping[str, str]) -> dict[str, Any]:
+    """What build_command takes from the caller's process: its LD_PRELOAD (kept after the
+    allocator), the variables to forward to remote ranks, and whether it runs as root."""
+    return {"ld_preload": environ.get("LD_PRELOAD"),
+            "forward": [n for n in FORWARD_ENV if environ.get(n)],
+            "as_root": hasattr(os, "geteuid") and os.geteuid() == 0}
+
+
 def prepare_hostfile(path: str, mpi: MpiInfo, workdir: str) -> tuple[str, hostfiles.Hostfile]:
     """Parse `path`; when it is in the other MPI's syntax, write a converted copy into workdir."""
     hosts = hostfiles.parse(path)
@@ -271,9 +280,8 @@ def launch(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -
         cmd = build_command(
             mpi, args.np, program, python=sys.executable, cores_per_node=cores,
             hostfile=hostfile, hosts=hosts, threads_per_rank=args.threads_per_rank,
-            allocator=allocator, preload=preload, ld_preload=environ.get("LD_PRELOAD"),
-            forward=[n for n in FORWARD_ENV if environ.get(n)],
-            as_root=hasattr(os, "geteuid") and os.geteuid() == 0, mpi_args=args.mpi_arg)
+            allocator=allocator, preload=preload, mpi_args=args.mpi_arg,
+            **caller_settings(environ))
         if args.dry_run:
             if hostfile and hostfile != args.hostfile:
                 # The converted copy vanishes with workdir: show what it held.
@@ -339,7 +347,7 @@ def register(subparsers: Any) -> None:
                         help="default: physical cores per node / ranks per node")
     parser.add_argument("--cores-per-node", type=_positive_int, default=None,
                         help="physical cores on each node (default: this machine's)")
-    parser.add_argument("--allocator", choices=["auto", "jemalloc", "tcmalloc", "none"],
+    parser.add_argument("--allocator", choices=ALLOCATORS,
                         default="auto", help="LD_PRELOAD a faster malloc when found (auto)")
     parser.add_argument("--mpirun", default=None, help="mpirun/mpiexec to use")
     parser.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",

@@ -47,9 +47,9 @@ def mpi_library() -> str:
 
 
 def _malloc() -> str:
-    from cpudist.allocator import ENV, choose_allocator
+    from cpudist.allocator import ENV, choose_allocator, requested
 
-    request = os.environ.get(ENV) or "auto"
+    request = requested()
     try:
         name, lib = choose_allocator(request)
     except UserError as exc:
