@@ -1,7 +1,8 @@
-"""`cpudist` command line: thin parsing; each command lives in the module that owns its concern.
+"""`cpudist` command line: dispatch only. Each command's flags and entry live in cpudist/commands/.
 
-Every command module exposes ``register(subparsers)`` which adds its sub-command(s) and sets
-``func`` (called with the parsed args, returns an exit code).
+Only the module of the command being run is imported, and command modules import torch only
+inside their `run`, so `cpudist X --help`, `cpudist launch` or `hostfile check` start in well under
+a second.
 """
 
 from __future__ import annotations
@@ -14,24 +15,23 @@ from collections.abc import Sequence
 
 from cpudist.errors import UserError
 
-# Sub-command -> module that registers it, in --help order. Only the module of the command being
-# run is imported, so `cpudist launch` or `hostfile check` start without loading torch.
+# Command -> (module defining HELP, DESCRIPTION, add_arguments(parser) and run(args)), in --help order.
 COMMANDS = {
     "train": "cpudist.commands.train",
     "env": "cpudist.commands.env",
-    "launch": "cpudist.launcher",
-    "hostfile": "cpudist.hostfile",
-    "bench": "cpudist.bench",
-    "scaling": "cpudist.bench",
-    "merge": "cpudist.tools",
-    "generate": "cpudist.tools",
-    "eval": "cpudist.tools",
-    "report": "cpudist.plots",
+    "launch": "cpudist.commands.launch",
+    "hostfile": "cpudist.commands.hostfile",
+    "fake-cluster": "cpudist.commands.fake_cluster",
+    "bench": "cpudist.commands.bench",
+    "scaling": "cpudist.commands.scaling",
+    "merge": "cpudist.commands.merge",
+    "generate": "cpudist.commands.generate",
+    "eval": "cpudist.commands.eval",
+    "report": "cpudist.commands.report",
 }
 
-
-# Commands that train or run a model: they run on the chosen malloc (cpudist.allocator), set up
-# before their module (and torch) is even imported.
+# Commands that train or run a model: they run on the chosen malloc (cpudist.runtime.allocator),
+# set up before their module (and torch) is even imported.
 COMPUTE_COMMANDS = ("train", "bench", "merge", "generate", "eval")
 
 
@@ -44,19 +44,26 @@ def _flag_value(argv: Sequence[str], flag: str) -> str | None:
     return None
 
 
-def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+def top_parser() -> argparse.ArgumentParser:
+    """`cpudist [--debug] COMMAND ...`: the list of commands, from their modules' HELP lines."""
     parser = argparse.ArgumentParser(
-        prog="cpudist",
+        prog="cpudist", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="LoRA fine-tuning of Hugging Face causal LMs on CPUs, one laptop to a cluster.",
-    )
+        epilog="commands:\n" + "\n".join(
+            f"  {name:<10} {importlib.import_module(module).HELP}"
+            for name, module in COMMANDS.items()) + "\n\n`cpudist COMMAND --help` for its flags.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
-    wanted = COMMANDS.get(words[0]) if words else None
-    modules = [wanted] if wanted else list(dict.fromkeys(COMMANDS.values()))
-    for name in modules:
-        importlib.import_module(name).register(subparsers)
+    parser.add_argument("command", choices=list(COMMANDS), metavar="COMMAND")
     return parser
+
+
+def command_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
+    module = importlib.import_module(COMMANDS[name])
+    parser = argparse.ArgumentParser(prog=f"cpudist {name}", description=module.DESCRIPTION,
+                                     epilog=getattr(module, "EPILOG", None))
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    module.add_arguments(parser)
+    return parser, module
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,19 +71,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in given or os.environ.get("CPUDIST_DEBUG") == "1"
     try:
         words = [a for a in given if not a.startswith("-")]
-        if argv is None and words and words[0] in COMPUTE_COMMANDS:
+        if not words or words[0] not in COMMANDS:
+            top_parser().parse_args(given)  # prints help, or the error for an unknown command
+            return 2
+        name = words[0]
+        if argv is None and name in COMPUTE_COMMANDS:
             # Only a real command line: a caller passing argv (tests, scripts) keeps its process.
-            from cpudist import allocator
+            from cpudist.runtime import allocator
 
             allocator.ensure(_flag_value(given, "--allocator"))
-        parser = build_parser(argv)
-        args = parser.parse_args(argv)
+        rest = list(given)
+        rest.remove(name)
+        if "--debug" in rest[: given.index(name)]:
+            rest.remove("--debug")  # `cpudist --debug COMMAND`: the command parser takes it too
+        parser, module = command_parser(name)
+        # Intermixed: `section.key=value` overrides may stand before, between or after flags.
+        intermixed = getattr(module, "INTERMIXED", True)
+        args = parser.parse_intermixed_args(rest) if intermixed else parser.parse_args(rest)
         debug = debug or args.debug
-        return int(args.func(args) or 0)
+        return int(module.run(args) or 0)
     except UserError as exc:
         if debug:
             raise
-        from cpudist.cluster import detect_placement, rank_prefix
+        from cpudist.runtime.cluster import detect_placement, rank_prefix
 
         print(f"{rank_prefix(detect_placement())}error: {exc}", file=sys.stderr)
         return 2

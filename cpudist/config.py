@@ -54,8 +54,9 @@ class DataConfig(_Section):
     # A .jsonl/.json/.parquet file, a saved datasets directory, or a built-in corpus
     # ("chatterbot:english", "chatterbot:chinese").
     path: str = "chatterbot:english"
-    # alpaca: instruction/input/output; chat: messages list (or ShareGPT conversations); text: raw text.
-    format: Literal["alpaca", "chat", "text"] = "chat"
+    # A name in cpudist.data.formats.FORMATS: alpaca (instruction/input/output), chat (messages
+    # list, or ShareGPT conversations), text (raw text, every token a label).
+    format: str = "chat"
     # Optional separate validation file; otherwise val_fraction of `path` is held out.
     val_path: str | None = None
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
@@ -66,6 +67,15 @@ class DataConfig(_Section):
     group_by_length: bool = True
     packing: bool = False
     cache_dir: str = ".cache/data"
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        from cpudist.data.formats import FORMATS  # the registry: no torch, no cycle
+
+        if value not in FORMATS:
+            raise ValueError(f"unknown format; choose one of {', '.join(FORMATS)}")
+        return value
 
 
 class TrainConfig(_Section):

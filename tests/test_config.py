@@ -8,8 +8,7 @@ import pytest
 
 from cpudist.config import Config, load_config
 from cpudist.errors import UserError
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
 
 
 def test_shipped_configs_load() -> None:

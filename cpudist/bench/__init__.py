@@ -1,0 +1,1 @@
+"""Measurement: presets, FLOP/MFU figures, the bench of the engine's own step, peers, scaling."""

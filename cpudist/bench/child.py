@@ -1,0 +1,50 @@
+"""Benchmarks run as processes of their own (vs a peer, under mpirun for scaling), and their figures
+read back: the --json file they wrote, or the one line rank 0 printed (it may run on another node)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from cpudist.errors import UserError
+from cpudist.runtime.allocator import choose_allocator, preload_env, requested
+
+RESULT_MARK = "CPUDIST_BENCH_RESULT "
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """The figures as one line on stdout, found by run_json(on_stdout=True)."""
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def child_env(allocator: str | None) -> dict[str, str]:
+    """This process's environment set up for a benchmark child process to run on `allocator`
+    (None: what cpudist.runtime.allocator.requested says)."""
+    name, lib = choose_allocator(requested(allocator))
+    return {**os.environ, "PYTHONUNBUFFERED": "1",
+            **preload_env(name, lib, os.environ.get("LD_PRELOAD"))}
+
+
+def run_json(cmd: list[str], env: dict[str, str], what: str, on_stdout: bool = False
+             ) -> dict[str, Any]:
+    """Run a benchmark process with `--json TARGET` appended and return its result: the file it
+    wrote, or (on_stdout: `--json -`) the line it printed after RESULT_MARK."""
+    with tempfile.TemporaryDirectory(prefix="cpudist-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        target = "-" if on_stdout else str(out)
+        print(f"$ {' '.join(cmd)} --json {target}", file=sys.stderr, flush=True)
+        proc = subprocess.run([*cmd, "--json", target], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        printed = [line[line.index(RESULT_MARK) + len(RESULT_MARK):]
+                   for line in proc.stdout.splitlines() if RESULT_MARK in line]
+        if proc.returncode == 0 and on_stdout and printed:
+            return json.loads(printed[-1])
+        if proc.returncode == 0 and not on_stdout and out.exists():
+            return json.loads(out.read_text())
+        tail = "\n".join(proc.stdout.splitlines()[-15:])
+        raise UserError(f"{what} failed (exit {proc.returncode}):\n{tail}")

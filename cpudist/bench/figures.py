@@ -1,0 +1,125 @@
+"""The bench's figures: model FLOPs of a step, the GEMM peak they are compared with, padding, and
+the table they are printed in.
+
+Model FLOPs of one step (docs/PERFORMANCE.md), summed over samples of real length L:
+  (4 * N_frozen + 6 * N_lora) * L + 6 * n_layers * d_attn * L^2  +  4 * V * H * label_tokens
+forward 2N and input-gradient 2N for frozen decoder weights (no weight gradient), forward, input-
+and weight-gradient 2N each for LoRA weights, causal attention (QK^T and AV, forward 2 L^2 d,
+backward twice that), and the LM head only where a label exists (forward + input gradient).
+Padding and recomputation (activation checkpointing) are work, not model FLOPs, so they lower MFU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from cpudist.data.batches import Batch
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    n_frozen: int  # frozen decoder weights feeding matmuls (LM head and embeddings excluded)
+    n_lora: int  # trainable LoRA weights
+    n_layers: int
+    attn_dim: int  # query heads x head dim
+    head_params: int  # vocab x hidden of the LM head
+
+    def step_flops(self, sample_lengths: list[int], label_tokens: int) -> float:
+        linear = (4 * self.n_frozen + 6 * self.n_lora) * sum(sample_lengths)
+        attention = 6 * self.n_layers * self.attn_dim * sum(n * n for n in sample_lengths)
+        return float(linear + attention + 4 * self.head_params * label_tokens)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def flop_model(peft_model: nn.Module) -> FlopModel:
+    """Parameter counts of a peft causal LM for the FLOP formula."""
+    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+    config = base.config
+    head = base.get_output_embeddings()
+    n_frozen = n_lora = 0
+    for name, module in base.named_modules():
+        if not isinstance(module, nn.Linear) or module is head:
+            continue
+        if ".lora_" in name:
+            n_lora += module.weight.numel()
+        elif not module.weight.requires_grad:
+            n_frozen += module.weight.numel()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return FlopModel(n_frozen=n_frozen, n_lora=n_lora, n_layers=config.num_hidden_layers,
+                     attn_dim=config.num_attention_heads * head_dim,
+                     head_params=head.weight.numel())
+
+
+def batch_sample_lengths(batch: Batch) -> list[int]:
+    """Real lengths of the samples in a batch (packed rows hold several; 0 = padding)."""
+    mask = batch.attention_mask
+    if batch.position_ids is None:
+        return [int(n) for n in (mask > 0).sum(dim=1).tolist()]
+    lengths = []
+    for row in mask:
+        counts = torch.bincount(row)[1:]
+        lengths += [int(n) for n in counts.tolist() if n]
+    return lengths
+
+
+def gemm_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 4) -> float:
+    """Best FLOP/s of a size^3 matmul in dtype with this process's threads (the bench calls it
+    before and after the timed steps and keeps the maximum: this machine's peak drifts)."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    torch.mm(a, b)  # first call picks kernels
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * size**3 / (time.perf_counter() - start))
+    return best
+
+
+def padding_fraction(batches: list[Batch]) -> float:
+    """Share of the computed positions (rows x width) that hold padding."""
+    cells = sum(b.input_ids.numel() for b in batches)
+    real = sum(b.tokens for b in batches)
+    return 0.0 if cells == 0 else 1.0 - real / cells
+
+
+FIGURES = [("tokens_per_s", "tokens/s", "{:.1f}"), ("label_tokens_per_s", "label tokens/s", "{:.1f}"),
+           ("samples_per_s", "samples/s", "{:.3f}"), ("s_per_step", "s/step", "{:.2f}"),
+           ("s_per_step_median", "median s/step", "{:.2f}"),
+           ("label_tokens_per_s_best_step", "label tokens/s, best step", "{:.1f}"),
+           ("peak_rss_gb", "peak RSS GB (max rank)", "{:.2f}"), ("node_pss_gb", "node PSS GB", "{:.2f}"),
+           ("mfu", "MFU", "{:.1%}"), ("padding_fraction", "padding", "{:.1%}")]
+
+
+def figure(result: dict[str, Any], key: str) -> float:
+    value = result[key]
+    return max(value) if isinstance(value, list) else float(value)
+
+
+def format_table(results: dict[str, dict[str, Any]], ratio_of: tuple[str, str] | None = None) -> str:
+    """A markdown table: one column per result (and a ratio column)."""
+    names = list(results)
+    header = ["figure", *names] + ([f"{ratio_of[0]} / {ratio_of[1]}"] if ratio_of else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key, label, fmt in FIGURES:
+        if not all(key in r for r in results.values()):
+            continue
+        cells = [fmt.format(figure(results[name], key)) for name in names]
+        if ratio_of:
+            a, b = figure(results[ratio_of[0]], key), figure(results[ratio_of[1]], key)
+            cells.append(f"{a / b:.2f}x" if b else "-")
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    first = next(iter(results.values()))
+    lines.append("")
+    lines.append(f"dtype {first['dtype']}; {first['world_size']} rank(s) x {first['threads']} "
+                 f"thread(s); peak GEMM {first['peak_tflops'] * 1000:.0f} GFLOP/s (this run); "
+                 f"{first['steps']} timed steps after {first['warmup_steps']} warm-up; "
+                 f"{first['data']}")
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""The peer to beat: Hugging Face Trainer + PEFT LoRA on the same model, data and settings.
+
+Run as its own process by `cpudist bench --vs hf` (``python -m cpudist.bench.hf_peer CONFIG ...``)
+on the resolved config cpudist's side reads too. It reports the same figures as the bench,
+computed the same way (cpudist.bench.figures: FLOP formula, GEMM peak measured in this run; PSS
+sampler). What HF does is left as a user would set it up: the model loaded in the compute dtype,
+TrainingArguments(bf16=...) for autocast, rows padded to the longest in each batch,
+full-vocabulary logits, the default random sampler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cpudist.bench.options import DATA_KINDS
+from cpudist.bench.samples import bench_samples
+from cpudist.config import load_config
+from cpudist.data.tokenize import IGNORE
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cpudist.bench.hf_peer",
+                                description="HF Trainer + PEFT LoRA benchmark (cpudist's peer)")
+    p.add_argument("config", help="the resolved cpudist config both sides read (YAML)")
+    p.add_argument("--data", choices=DATA_KINDS, default="synthetic")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--json", type=Path)
+    return p.parse_args(argv)
+
+
+class PadCollator:
+    """Right-pad to the longest row of the batch (what DataCollatorForSeq2Seq does), and keep the
+    real sample lengths and label counts of every batch for the figures."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+        self.seen: list[tuple[list[int], int, int]] = []  # (lengths, label tokens, cells)
+
+    def __call__(self, rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        width = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            n = len(row["input_ids"])
+            ids[i, :n] = torch.tensor(row["input_ids"])
+            labels[i, :n] = torch.tensor(row["labels"])
+            mask[i, :n] = 1
+        self.seen.append(([len(r["input_ids"]) for r in rows], int((labels[:, 1:] != IGNORE).sum()),
+                          ids.numel()))
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    config = load_config(args.config)
+    tc, lora = config.train, config.lora
+    if config.dist.threads_per_rank:
+        torch.set_num_threads(config.dist.threads_per_rank)
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+
+    from cpudist.bench.figures import flop_model, gemm_peak
+    from cpudist.runtime.allocator import in_use as allocator_in_use
+    from cpudist.runtime.memory import PssSampler, peak_rss_gb
+    from cpudist.runtime.precision import choose_precision
+    from cpudist.runtime.process import quiet_libraries
+
+    quiet_libraries()
+    precision = choose_precision(config.model.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=precision.compute_dtype,
+                                                 attn_implementation=config.model.attn_implementation)
+    model.config.use_cache = False
+    model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha,
+                                             lora_dropout=lora.dropout,
+                                             target_modules=lora.target_modules,
+                                             task_type="CAUSAL_LM"))
+    total_steps = args.warmup + args.steps
+    # One epoch of the timed steps; the warm-up steps run on the same set first (as cpudist's bench).
+    samples = args.steps * tc.batch_size * tc.grad_accum
+    split, desc = bench_samples(config, args.data, samples, tokenizer,
+                                model.get_base_model().config.vocab_size)
+    rows = [{"input_ids": ids, "labels": labels}
+            for ids, labels in zip(split.input_ids, split.labels, strict=True)]
+    collator = PadCollator(tokenizer.pad_token_id)
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.begins: list[float] = []
+            self.ends: list[float] = []
+
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            self.begins.append(time.perf_counter())
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            self.ends.append(time.perf_counter())
+
+    def train(max_steps: int, out_dir: str) -> StepClock:
+        training_args = TrainingArguments(
+            output_dir=out_dir, per_device_train_batch_size=tc.batch_size,
+            gradient_accumulation_steps=tc.grad_accum, max_steps=max_steps,
+            learning_rate=tc.lr, lr_scheduler_type="constant",
+            max_grad_norm=tc.max_grad_norm or 0.0, weight_decay=tc.weight_decay,
+            use_cpu=True, bf16=precision.bf16, logging_strategy="no", save_strategy="no",
+            report_to=[], dataloader_num_workers=0, remove_unused_columns=False, seed=tc.seed,
+            gradient_checkpointing=config.model.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False}, disable_tqdm=True)
+        clock = StepClock()
+        Trainer(model=model, args=training_args, train_dataset=rows, data_collator=collator,
+                callbacks=[clock]).train()
+        return clock
+
+    peaks = [gemm_peak(precision.compute_dtype)]
+    with tempfile.TemporaryDirectory(prefix="hf-baseline-") as tmp, PssSampler() as pss:
+        # Warm-up and timed steps are two trainings of the same model, so that the timed one is
+        # exactly one epoch (HF's random sampler) over the set cpudist times.
+        if args.warmup:
+            train(args.warmup, tmp)
+        clock = train(args.steps, tmp)
+    peaks.append(gemm_peak(precision.compute_dtype))
+    # From one step's end to the next (collation included, as in cpudist's bench); the first timed
+    # step from its own begin (HF fetches its batches just before: a few ms in HF's favour).
+    timed = [clock.ends[0] - clock.begins[0],
+             *(b - a for a, b in zip(clock.ends[:-1], clock.ends[1:], strict=True))]
+    # Batches in the order they were drawn; one optimizer step uses grad_accum of them.
+    per_step = [collator.seen[i * tc.grad_accum:(i + 1) * tc.grad_accum]
+                for i in range(total_steps)][args.warmup:]
+    flops = flop_model(model)
+    wall = sum(timed)
+    lengths = [n for step in per_step for lens, _, _ in step for n in lens]
+    label_tokens = sum(lab for step in per_step for _, lab, _ in step)
+    model_flops = sum(flops.step_flops([n for lens, _, _ in step for n in lens],
+                                       sum(lab for _, lab, _ in step)) for step in per_step)
+    cells = sum(c for step in per_step for _, _, c in step)
+    peak = max(peaks)
+    result = {
+        "tokens_per_s": sum(lengths) / wall, "label_tokens_per_s": label_tokens / wall,
+        "samples_per_s": len(lengths) / wall, "s_per_step": wall / len(timed),
+        "s_per_step_median": statistics.median(timed),
+        "label_tokens_per_s_best_step": max(
+            sum(lab for _, lab, _ in step) / t for step, t in zip(per_step, timed, strict=True)),
+        "peak_rss_gb": [peak_rss_gb()], "node_pss_gb": pss.peak / 1024**3,
+        "mfu": model_flops / wall / peak, "model_tflops": model_flops / wall / 1e12,
+        "peak_tflops": peak / 1e12, "peak_samples_tflops": [p / 1e12 for p in peaks],
+        "padding_fraction": 1.0 - sum(lengths) / cells if cells else 0.0,
+        "dtype": precision.describe(), "threads": torch.get_num_threads(), "world_size": 1,
+        "steps": len(timed), "warmup_steps": args.warmup, "step_s": timed, "data": desc,
+        "model_dir": config.model.path, "flop_model": flops.as_dict(),
+        "framework": "hf-trainer+peft", "allocator": allocator_in_use(),
+        "host": socket.gethostname(), "config": config.to_dict(),
+    }
+    print(json.dumps({k: v for k, v in result.items() if k not in ("config", "step_s")}))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""What a bench is asked to do (its flags), and the config it runs with. No torch here: the
+commands build these before anything heavy is imported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cpudist.bench.presets import preset_dir
+from cpudist.config import Config, load_config
+from cpudist.errors import UserError
+
+# --data: synthetic full-label rows, or real instruct samples from data.path.
+DATA_KINDS = ("synthetic", "instruct")
+
+
+@dataclass
+class BenchArgs:
+    preset: str | None
+    layers: int | None
+    data: str
+    steps: int
+    warmup: int
+    batch_size: int | None
+    seq_len: int | None
+    dtype: str | None
+    threads: int | None
+
+    def flags(self) -> list[str]:
+        """The same settings as `cpudist bench` flags (for the bench run in another process)."""
+        flags = ["--data", self.data, "--steps", str(self.steps), "--warmup", str(self.warmup)]
+        for flag, value in (("--preset", self.preset), ("--layers", self.layers),
+                            ("--batch-size", self.batch_size), ("--seq-len", self.seq_len),
+                            ("--dtype", self.dtype), ("--threads", self.threads)):
+            if value is not None:
+                flags += [flag, str(value)]
+        return flags
+
+
+def bench_config(config_path: str | None, overrides: list[str], args: BenchArgs) -> Config:
+    """The run's config: CONFIG + overrides, then the bench flags (which win)."""
+    extra = []
+    if args.batch_size:
+        extra.append(f"train.batch_size={args.batch_size}")
+    if args.seq_len:
+        extra.append(f"data.max_length={args.seq_len}")
+    if args.dtype:
+        extra.append(f"model.dtype={args.dtype}")
+    if args.threads:
+        extra.append(f"dist.threads_per_rank={args.threads}")
+    config = load_config(config_path, [*overrides, *extra])
+    if args.preset:
+        config.model.path = str(preset_dir(args.preset, args.layers, config.model.cache_dir))
+    elif args.layers:
+        raise UserError("--layers needs --preset (it shrinks a preset model)")
+    return config

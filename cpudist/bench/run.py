@@ -1,0 +1,119 @@
+"""`cpudist bench`: throughput, memory and MFU of a short LoRA training, timed on the engine's own
+step (cpudist.train.engine: the same setup and step as `cpudist train`).
+
+After warm-up steps it reports:
+- tokens_per_s: every real (non-padding) token fed, all ranks; label_tokens_per_s: tokens with loss.
+- peak_rss_gb per rank (ru_maxrss) and node_pss_gb: the sum over the node's ranks of the largest
+  proportional set size seen (shared weight pages count once per node, split between ranks).
+- mfu: model FLOPs per second (cpudist.bench.figures) / GEMM peak of the compute dtype measured in
+  the same run (before and after the timed steps, several times each, maximum kept, all ranks at
+  once).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import statistics
+import time
+from typing import Any
+
+from cpudist.bench.figures import batch_sample_lengths, flop_model, gemm_peak
+from cpudist.bench.options import BenchArgs
+from cpudist.bench.samples import bench_samples, bench_step_position
+from cpudist.config import Config
+from cpudist.data.batches import Batch
+from cpudist.data.tokenize import TokenizedSplit
+from cpudist.runtime.allocator import in_use as allocator_in_use
+from cpudist.runtime.comm import all_gather, allreduce, barrier
+from cpudist.runtime.memory import PssSampler, peak_rss_gb
+from cpudist.runtime.process import Process, start_process
+from cpudist.train.engine import Datasets, build_engine
+
+log = logging.getLogger("cpudist")
+
+
+def run_bench(config: Config, args: BenchArgs) -> dict[str, Any] | None:
+    """Train warm-up + timed steps as this rank; rank 0 returns the result."""
+    with start_process(config.dist) as process:
+        return _bench(config, args, process)
+
+
+def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] | None:
+    tc = config.train
+    placement = process.placement
+    samples = args.steps * tc.batch_size * tc.grad_accum * placement.world_size
+
+    def load_data(tokenizer: Any, model: Any) -> Datasets:
+        vocab = model.get_base_model().config.vocab_size
+        train, description = bench_samples(config, args.data, samples, tokenizer, vocab)
+        return Datasets(train, TokenizedSplit([], []), description)
+
+    total_steps = args.warmup + args.steps
+    engine = build_engine(config, process, load_data, total_steps=total_steps)
+    precision = engine.session.precision
+    flops = flop_model(engine.model)
+
+    def peak() -> float:
+        barrier(placement)
+        (total,) = allreduce([gemm_peak(precision.compute_dtype)], placement)
+        return total  # all ranks ran at once: the node's peak
+
+    peaks = [peak()]
+    step_times: list[float] = []
+    step_labels: list[float] = []
+    fed = labels = model_flops = 0.0
+    sample_count = 0
+    timed_batches: list[Batch] = []
+    with PssSampler() as pss:
+        for step in range(total_steps):
+            barrier(placement)
+            started = time.perf_counter()
+            epoch, index = bench_step_position(step, args.warmup, engine.batches.steps_per_epoch)
+            micro = engine.micro_batches(epoch, index)
+            lengths = [n for b in micro for n in batch_sample_lengths(b)]
+            (step_flops,) = allreduce(
+                [flops.step_flops(lengths, sum(b.label_tokens for b in micro))], placement)
+            result = engine.step(micro)
+            elapsed = time.perf_counter() - started
+            if step >= args.warmup:
+                step_times.append(elapsed)
+                step_labels.append(result.label_tokens)
+                fed += result.tokens
+                labels += result.label_tokens
+                model_flops += step_flops
+                sample_count += len(lengths)
+                timed_batches += micro
+            log.info("bench step %d/%d%s: %.2f s, loss %.4f", step + 1, total_steps,
+                     " (warm-up)" if step < args.warmup else "", elapsed, result.loss)
+    peaks.append(peak())
+    pad_cells, pad_real = allreduce([float(sum(b.input_ids.numel() for b in timed_batches)),
+                                     float(sum(b.tokens for b in timed_batches))], placement)
+    per_rank = all_gather((socket.gethostname(), peak_rss_gb(), pss.peak / 1024**3), placement)
+    if not placement.is_main:
+        return None
+    wall = sum(step_times)
+    node_pss: dict[str, float] = {}
+    for host, _, pss_gb in per_rank:
+        node_pss[host] = node_pss.get(host, 0.0) + pss_gb
+    peak_flops = max(peaks)
+    return {
+        "tokens_per_s": fed / wall, "label_tokens_per_s": labels / wall,
+        "samples_per_s": sample_count / wall, "s_per_step": wall / len(step_times),
+        # Robust to other processes stealing the cores for a while (see docs/PERFORMANCE.md).
+        "s_per_step_median": statistics.median(step_times),
+        "label_tokens_per_s_best_step": max(n / t for n, t in zip(step_labels, step_times,
+                                                                   strict=True)),
+        "peak_rss_gb": [rss for _, rss, _ in per_rank],
+        "node_pss_gb": max(node_pss.values()),
+        "mfu": model_flops / wall / peak_flops,
+        "model_tflops": model_flops / wall / 1e12, "peak_tflops": peak_flops / 1e12,
+        "peak_samples_tflops": [p / 1e12 for p in peaks],
+        "padding_fraction": 0.0 if pad_cells == 0 else 1.0 - pad_real / pad_cells,
+        "dtype": precision.describe(), "threads": process.threads,
+        "world_size": placement.world_size, "steps": args.steps, "warmup_steps": args.warmup,
+        "step_s": step_times, "data": engine.data.description,
+        "model_dir": str(engine.session.model_dir), "preset": args.preset, "layers": args.layers,
+        "flop_model": flops.as_dict(), "allocator": allocator_in_use(), "framework": "cpudist",
+        "config": config.to_dict(),
+    }

@@ -1,0 +1,97 @@
+"""`cpudist bench [CONFIG] [section.key=value ...] [--preset P] [--vs hf] ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from cpudist.bench.options import DATA_KINDS, BenchArgs
+from cpudist.bench.presets import PRESETS
+from cpudist.commands.common import add_settings, split_settings
+from cpudist.errors import UserError
+from cpudist.runtime.allocator import CHOICES as ALLOCATORS
+
+HELP = "throughput / memory / MFU of a short training (optionally vs HF Trainer)"
+DESCRIPTION = ("Train a few steps on a preset (random weights, exact architecture) and report "
+               "tokens/s, label tokens/s, samples/s, s/step, peak RSS per rank, node PSS and MFU "
+               "against the GEMM peak measured in the same run.")
+
+
+def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags `bench` and `scaling` share."""
+    add_settings(parser)
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="random-weight model of this architecture (smollm2-135m: the real one)")
+    parser.add_argument("--layers", type=int, help="keep only the first N decoder layers")
+    parser.add_argument("--data", default="synthetic", choices=DATA_KINDS,
+                        help="synthetic: full-length rows, all labels; instruct: data.path with "
+                             "real lengths and prompt masking (default chatterbot:english)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed first steps (default 1)")
+    parser.add_argument("--batch-size", type=int, help="train.batch_size")
+    parser.add_argument("--seq-len", type=int, help="data.max_length (synthetic row length)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="model.dtype")
+    parser.add_argument("--threads", type=int, help="dist.threads_per_rank")
+    parser.add_argument("--allocator", choices=ALLOCATORS,
+                        help="malloc of cpudist's benchmark processes (default: CPUDIST_ALLOCATOR, "
+                             "else auto = jemalloc when installed); --hf-allocator sets HF's")
+    parser.add_argument("--json", type=Path,
+                        help="write the result here (bench: - prints it as one line on stdout)")
+
+
+def bench_args(ns: argparse.Namespace) -> tuple[str | None, list[str], BenchArgs]:
+    """(config file, overrides, BenchArgs) of parsed bench flags, checked."""
+    config_path, overrides = split_settings(ns.settings)
+    for name in ("steps", "batch_size", "seq_len", "threads"):
+        value = getattr(ns, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    if ns.warmup < 0:
+        raise UserError(f"--warmup {ns.warmup}: must be 0 or more")
+    return config_path, overrides, BenchArgs(ns.preset, ns.layers, ns.data, ns.steps, ns.warmup,
+                                             ns.batch_size, ns.seq_len, ns.dtype, ns.threads)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_bench_flags(parser)
+    parser.add_argument("--vs", choices=["hf"], help="also run Hugging Face Trainer + PEFT on the "
+                        "same model, data and settings (separate processes) and print ratios")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --vs: alternate cpudist/HF this many times, keep the best")
+    parser.add_argument("--hf-allocator", default="none", choices=ALLOCATORS,
+                        help="with --vs: malloc of the HF side (default none: glibc malloc, as HF "
+                             "Trainer runs unless you preload one; auto gives it cpudist's)")
+
+
+def run(ns: argparse.Namespace) -> int:
+    from cpudist.bench.figures import FIGURES, format_table
+    from cpudist.bench.options import bench_config
+
+    config_path, overrides, args = bench_args(ns)
+    config = bench_config(config_path, overrides, args)
+    if ns.vs:
+        from cpudist.bench.peers import run_vs
+        from cpudist.report.plots import write_vs_plot
+
+        outcome = run_vs(ns.vs, config, args, ns.rounds, ns.allocator, ns.hf_allocator)
+        print(format_table({"cpudist": outcome["cpudist"], ns.vs: outcome[ns.vs]},
+                           ratio_of=("cpudist", ns.vs)))
+        if ns.json:
+            ns.json.write_text(json.dumps(outcome, indent=1))
+            png = write_vs_plot(outcome, {key: label for key, label, _ in FIGURES},
+                                "HF Trainer+PEFT", ns.json.with_suffix(".png"))
+            print(f"written: {ns.json}, {png}")
+        return 0
+    from cpudist.bench.child import print_result
+    from cpudist.bench.run import run_bench
+
+    result = run_bench(config, args)  # on --allocator: the CLI started this process on it
+    if result is None:  # not rank 0
+        return 0
+    print(format_table({"cpudist": result}))
+    if ns.json == Path("-"):
+        print_result(result)
+    elif ns.json:
+        ns.json.write_text(json.dumps(result, indent=1))
+    return 0

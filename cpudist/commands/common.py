@@ -1,0 +1,71 @@
+"""Flags several commands share."""
+
+from __future__ import annotations
+
+import argparse
+
+from cpudist.errors import UserError
+
+
+def add_settings(parser: argparse.ArgumentParser) -> None:
+    """[CONFIG] [section.key=value ...], anywhere on the command line."""
+    parser.add_argument("settings", nargs="*", metavar="[CONFIG] section.key=value",
+                        help="a YAML config (default: the built-in defaults) and overrides such "
+                             "as train.lr=1e-4 data.path=my.jsonl, in any order among the flags")
+
+
+def split_settings(words: list[str]) -> tuple[str | None, list[str]]:
+    """(the config file, the overrides) of the words add_settings collected."""
+    configs = [w for w in words if "=" not in w]
+    if len(configs) > 1:
+        raise UserError(f"more than one config file given ({', '.join(configs)}); pass one YAML "
+                        "file and write other settings as section.key=value")
+    return (configs[0] if configs else None), [w for w in words if "=" in w]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, adapter_required: bool = False) -> None:
+    parser.add_argument("--base", required=True, metavar="MODEL",
+                        help="base model: a local Hugging Face directory or a built-in name "
+                             "(smollm2-135m-instruct)")
+    parser.add_argument("--adapter", required=adapter_required, metavar="DIR",
+                        help="LoRA adapter: OUTPUT/adapter of a train run (or a checkpoint dir)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+# Flag -> (section, key) of the config setting it stands for.
+RUN_SETTINGS = {"format": ("data", "format"), "max_length": ("data", "max_length"),
+                "batch_size": ("train", "batch_size"), "system": ("data", "system_prompt"),
+                "dtype": ("model", "dtype")}
+
+
+def fill_from_run(args: argparse.Namespace, names: list[str]) -> None:
+    """Set the flags the user left out from the config of the run that wrote --adapter (so the
+    numbers match its validation log), else from the schema defaults."""
+    import sys
+
+    from cpudist.config import Config
+    from cpudist.model.adapters import resolve_adapter
+    from cpudist.train.output import adapter_run_config
+
+    config, path = (adapter_run_config(resolve_adapter(args.adapter)) if args.adapter
+                    else (None, None))
+    taken = []
+    for name in names:
+        if getattr(args, name) is not None:
+            continue
+        section, key = RUN_SETTINGS[name]
+        value = getattr(getattr(config or Config(), section), key)
+        setattr(args, name, value)
+        if config is not None and value is not None:
+            taken.append(f"{section}.{key}={value}")
+    if taken:
+        print(f"from {path}: {', '.join(taken)}", file=sys.stderr)

@@ -1,0 +1,43 @@
+"""`cpudist generate --base MODEL [--adapter DIR] PROMPT`: an answer, streamed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cpudist.commands.common import add_model_arguments, fill_from_run
+from cpudist.errors import UserError
+
+HELP = "answer a prompt with a base model (and adapter), streaming tokens"
+DESCRIPTION = ("Greedy (or sampled) generation; the prompt is rendered with the tokenizer's chat "
+               "template the way training renders a user turn.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("prompt", help="the user message")
+    parser.add_argument("--system", help="system message (default: data.system_prompt of the "
+                                         "adapter's run)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (default); above 0 samples")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+                        help="model.dtype (default: the adapter's run, else auto)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cpudist.config import Config, DistConfig, ModelConfig
+    from cpudist.runtime.process import start_process
+    from cpudist.train.engine import open_session
+    from cpudist.train.generate import generate, prompt_ids
+
+    fill_from_run(args, ["system", "dtype"])
+    if args.max_new_tokens <= 0:
+        raise UserError("--max-new-tokens must be at least 1")
+    config = Config(model=ModelConfig(path=args.base, dtype=args.dtype))
+    with start_process(DistConfig()) as process:
+        session = open_session(config, process, args.adapter)
+        ids = prompt_ids(session.tokenizer, args.prompt, args.system)
+        generate(session, ids, args.max_new_tokens, args.temperature, stream=True)
+    sys.stdout.flush()
+    return 0

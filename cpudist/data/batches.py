@@ -1,0 +1,168 @@
+"""Batches: padded or packed rows, and one global order of them that every rank cuts its share from.
+
+The order depends only on the seed and the epoch, so any world size sees the same global batches.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from cpudist.config import Config
+from cpudist.data.tokenize import IGNORE, TokenizedSplit
+from cpudist.errors import UserError
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None = None
+
+    @property
+    def label_tokens(self) -> int:
+        return int((self.labels[:, 1:] != IGNORE).sum())
+
+    @property
+    def tokens(self) -> int:
+        # Packed rows hold segment ids (1, 2, ...) in attention_mask, so count, never sum.
+        return int((self.attention_mask > 0).sum())
+
+    def as_kwargs(self) -> dict[str, torch.Tensor]:
+        kwargs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
+                  "labels": self.labels}
+        if self.position_ids is not None:
+            kwargs["position_ids"] = self.position_ids
+        return kwargs
+
+
+def collate(data: TokenizedSplit, indices: list[int], pad_id: int) -> Batch:
+    """Right-padded batch of the given samples."""
+    width = max(len(data.input_ids[i]) for i in indices)
+    ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(indices), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(indices), width), dtype=torch.long)
+    for row, index in enumerate(indices):
+        length = len(data.input_ids[index])
+        ids[row, :length] = torch.tensor(data.input_ids[index])
+        labels[row, :length] = torch.tensor(data.labels[index])
+        mask[row, :length] = 1
+    return Batch(ids, mask, labels)
+
+
+def pack(data: TokenizedSplit, indices: list[int], pad_id: int, max_length: int) -> Batch:
+    """Several samples per row (first fit, in order); position ids restart at every sample.
+
+    Attention stays inside each sample: the model sees a 4D block-diagonal causal mask built from
+    the position ids (see loss.packed_attention_mask).
+    """
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    for index in indices:
+        length = len(data.input_ids[index])
+        for row, used in enumerate(fill):
+            if used + length <= max_length:
+                rows[row].append(index)
+                fill[row] += length
+                break
+        else:
+            rows.append([index])
+            fill.append(length)
+    width = max(fill)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, members in enumerate(rows):
+        offset = 0
+        for segment, index in enumerate(members, start=1):
+            length = len(data.input_ids[index])
+            ids[row, offset : offset + length] = torch.tensor(data.input_ids[index])
+            sample_labels = torch.tensor(data.labels[index])
+            sample_labels[0] = IGNORE  # never predict a sample's first token from the previous one
+            labels[row, offset : offset + length] = sample_labels
+            mask[row, offset : offset + length] = segment  # segment ids; 0 = padding
+            positions[row, offset : offset + length] = torch.arange(length)
+            offset += length
+    return Batch(ids, mask, labels, positions)
+
+
+class GlobalBatches:
+    """One global order of micro-batches per epoch, cut into each rank's share.
+
+    Global micro-batch g holds batch_size * world samples; rank r takes the r-th slice. Every rank
+    gets the same number of steps (the tail that does not fill a whole optimizer step is dropped).
+    """
+
+    def __init__(self, data: TokenizedSplit, batch_size: int, grad_accum: int, world: int,
+                 seed: int, group_by_length: bool) -> None:
+        self.data = data
+        self.batch_size = batch_size
+        self.grad_accum = grad_accum
+        self.world = world
+        self.seed = seed
+        self.group_by_length = group_by_length
+        self.global_micro = batch_size * world
+        self.steps_per_epoch = len(data) // (self.global_micro * grad_accum)
+        if self.steps_per_epoch == 0:
+            raise UserError(
+                f"the training split has {len(data)} samples, fewer than one global batch "
+                f"(train.batch_size={batch_size} x train.grad_accum={grad_accum} x {world} ranks); "
+                "lower the batch size or add data"
+            )
+
+    def epoch_order(self, epoch: int) -> list[list[int]]:
+        """Global micro-batches (lists of sample indices) of an epoch, deterministic in seed."""
+        rng = random.Random(self.seed * 100_003 + epoch)
+        order = list(range(len(self.data)))
+        rng.shuffle(order)
+        usable = self.steps_per_epoch * self.grad_accum * self.global_micro
+        order = order[:usable]
+        batches = [order[i : i + self.global_micro] for i in range(0, usable, self.global_micro)]
+        if self.group_by_length:
+            # Sort within windows of 64 micro-batches by length, then shuffle the batches: similar
+            # lengths share a batch (little padding) while the order stays random.
+            lengths = self.data.lengths()
+            window = 64 * self.global_micro
+            grouped: list[int] = []
+            for start in range(0, usable, window):
+                grouped += sorted(order[start : start + window], key=lambda i: -lengths[i])
+            batches = [grouped[i : i + self.global_micro] for i in range(0, usable, self.global_micro)]
+            rng.shuffle(batches)
+        return batches
+
+    def step_batches(self, epoch: int, step_in_epoch: int, rank: int) -> list[list[int]]:
+        """This rank's sample indices for each micro-step of one optimizer step."""
+        batches = self.epoch_order(epoch)
+        first = step_in_epoch * self.grad_accum
+        lo, hi = rank * self.batch_size, (rank + 1) * self.batch_size
+        return [batches[first + k][lo:hi] for k in range(self.grad_accum)]
+
+    def global_step_batches(self, epoch: int, step_in_epoch: int) -> list[list[int]]:
+        batches = self.epoch_order(epoch)
+        first = step_in_epoch * self.grad_accum
+        return batches[first : first + self.grad_accum]
+
+
+def eval_batches(data: TokenizedSplit, batch_size: int, rank: int, world: int,
+                 limit: int | None) -> Iterator[list[int]]:
+    """This rank's share of the validation set (strided, so every sample is seen once overall)."""
+    order = sorted(range(len(data)), key=lambda i: len(data.input_ids[i]))
+    mine = order[rank::world]
+    count = math.ceil(len(mine) / batch_size)
+    if limit is not None:
+        count = min(count, limit)
+    for b in range(count):
+        yield mine[b * batch_size : (b + 1) * batch_size]
+
+
+def make_batch(data: TokenizedSplit, indices: list[int], pad_id: int, config: Config) -> Batch:
+    """The batch of these samples as the config asks: packed rows or right-padded ones."""
+    if config.data.packing:
+        return pack(data, indices, pad_id, config.data.max_length)
+    return collate(data, indices, pad_id)

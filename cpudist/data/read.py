@@ -1,0 +1,91 @@
+"""Reading a dataset: a .jsonl/.json/.parquet file, a saved datasets directory, or a built-in corpus."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from cpudist.errors import UserError
+from cpudist.files import file_lock, replacing
+from cpudist.jsonl import read_jsonl
+
+BUILTIN_CORPORA = {"chatterbot:english": "english", "chatterbot:chinese": "chinese"}
+
+
+def _chatterbot_to_jsonl(language: str, target: Path) -> None:
+    """Write the chatterbot-corpus QA pairs of one language as chat-format JSON lines."""
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.find_spec("chatterbot_corpus")  # locates, does not import
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("data.path=chatterbot:* needs the chatterbot-corpus package: "
+                        "pip install --no-deps 'chatterbot-corpus==1.3.3'")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "data" / language
+    seen: set[tuple[str, str]] = set()
+    rows = []
+    for file in sorted(folder.glob("*.yml")):
+        doc = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        for conversation in doc.get("conversations", []):
+            if not isinstance(conversation, list):
+                continue
+            turns = [str(turn).strip() for turn in conversation]
+            for question, answer in zip(turns[:-1], turns[1:], strict=False):
+                if question and answer and (question, answer) not in seen:
+                    seen.add((question, answer))
+                    rows.append({"messages": [{"role": "user", "content": question},
+                                              {"role": "assistant", "content": answer}]})
+    with replacing(target) as tmp:  # unique per host: nodes may share a filesystem
+        tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows),
+                       encoding="utf-8")
+
+
+def resolve_data_path(path: str, cache_dir: str) -> Path:
+    if path in BUILTIN_CORPORA:
+        target = Path(cache_dir) / f"chatterbot-{BUILTIN_CORPORA[path]}.jsonl"
+        with file_lock(target.with_suffix(".lock")):
+            if not target.exists():
+                _chatterbot_to_jsonl(BUILTIN_CORPORA[path], target)
+        return target
+    resolved = Path(path).expanduser()
+    if not resolved.exists():
+        raise UserError(f"data file {path} not found (data.path); give a .jsonl, .json or .parquet "
+                        "file, a saved datasets directory, or chatterbot:english")
+    return resolved
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Rows of a .jsonl / .json / .parquet file or a saved datasets directory."""
+    import datasets
+
+    if path.is_dir():
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as exc:
+            raise UserError(f"{path}: not a saved datasets directory ({exc})") from exc
+        if isinstance(loaded, datasets.DatasetDict):
+            loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
+        return list(loaded)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return read_jsonl(path)
+    if suffix == ".json":
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"{path}: not UTF-8 text; re-encode the file as UTF-8") from None
+        try:
+            loaded = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg})") from None
+        if isinstance(loaded, dict) and "data" in loaded:
+            loaded = loaded["data"]
+        if not isinstance(loaded, list):
+            raise UserError(f"{path}: a .json dataset must be a list of objects (or use .jsonl)")
+        return loaded
+    if suffix == ".parquet":
+        return list(datasets.Dataset.from_parquet(str(path)))
+    raise UserError(f"{path}: unsupported data file type '{suffix}'; use .jsonl, .json, .parquet "
+                    "or a saved datasets directory")

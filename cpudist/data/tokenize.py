@@ -1,0 +1,188 @@
+"""Tokenizing once, with prompt masking, cached on disk; and the train/validation split.
+
+Token ids are cached (keyed by the file, format, tokenizer and max_length) so every later run and
+every rank reads them instead of tokenizing again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cpudist.config import DataConfig
+from cpudist.data.formats import Messages, to_sample
+from cpudist.data.read import read_records, resolve_data_path
+from cpudist.errors import UserError
+from cpudist.files import file_lock, replacing
+
+IGNORE = -100  # the label of a position that carries no loss (the value PyTorch and HF skip)
+ALPACA_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+
+def tokenize_conversation(tokenizer: Any, messages: Messages) -> tuple[list, list]:
+    """Token ids and labels; only assistant turns (and their end-of-turn token) carry loss."""
+    if tokenizer.chat_template is None:
+        prompt = "\n\n".join(m["content"] for m in messages if m["role"] != "assistant")
+        answers = [m["content"] for m in messages if m["role"] == "assistant"]
+        prompt_ids = tokenizer(ALPACA_TEMPLATE.format(instruction=prompt),
+                               add_special_tokens=True)["input_ids"]
+        answer_ids = tokenizer("\n".join(answers), add_special_tokens=False)["input_ids"]
+        answer_ids = answer_ids + [tokenizer.eos_token_id]
+        return prompt_ids + answer_ids, [IGNORE] * len(prompt_ids) + answer_ids
+
+    def render(upto: int, generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages[:upto], tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+
+    ids: list[int] = []
+    labels: list[int] = []
+    done = ""
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(index, generation_prompt=True)
+        after = render(index + 1, generation_prompt=False)
+        if not before.startswith(done) or not after.startswith(before):
+            raise UserError("the tokenizer's chat template does not render conversations as "
+                            "growing prefixes; use data.format=text or a standard chat template")
+        prompt_ids = tokenizer(before[len(done):], add_special_tokens=not done)["input_ids"]
+        answer_ids = tokenizer(after[len(before):], add_special_tokens=False)["input_ids"]
+        ids += prompt_ids + answer_ids
+        labels += [IGNORE] * len(prompt_ids) + answer_ids
+        done = after
+    return ids, labels
+
+
+@dataclass
+class TokenizedSplit:
+    input_ids: list[list[int]]
+    labels: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.input_ids]
+
+    def label_count(self, index: int) -> int:
+        # Labels are shifted by one inside the loss: the first position never counts.
+        return sum(1 for label in self.labels[index][1:] if label != IGNORE)
+
+
+@dataclass
+class TokenizeStats:
+    samples: int
+    truncated: int
+    dropped_no_labels: int
+
+
+def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, config: DataConfig,
+                     source: str) -> tuple[TokenizedSplit, TokenizeStats]:
+    input_ids: list[list[int]] = []
+    labels: list[list[int]] = []
+    truncated = dropped = 0
+    for number, row in enumerate(records, start=1):
+        where = f"{source}:{number}" if source.endswith(".jsonl") else f"{source} (record {number})"
+        if not isinstance(row, dict):
+            raise UserError(f"{where}: each record must be an object")
+        sample = to_sample(row, config.format, where, config.system_prompt)
+        if isinstance(sample, str):
+            ids = tokenizer(sample, add_special_tokens=True)["input_ids"]
+            ids = ids + [tokenizer.eos_token_id]
+            row_labels = list(ids)
+        else:
+            ids, row_labels = tokenize_conversation(tokenizer, sample)
+        if len(ids) > config.max_length:
+            truncated += 1
+            ids, row_labels = ids[: config.max_length], row_labels[: config.max_length]
+        if all(label == IGNORE for label in row_labels[1:]):
+            dropped += 1
+            continue
+        input_ids.append(ids)
+        labels.append(row_labels)
+    return TokenizedSplit(input_ids, labels), TokenizeStats(len(records), truncated, dropped)
+
+
+def _fingerprint(path: Path, config: DataConfig, tokenizer: Any) -> str:
+    digest = hashlib.sha256()
+    if path.is_dir():
+        for file in sorted(path.rglob("*")):
+            if file.is_file():
+                digest.update(f"{file.name}:{file.stat().st_size}:{file.stat().st_mtime_ns}".encode())
+    else:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items())[:2000]) + str(len(tokenizer))
+    settings = [config.format, config.max_length, config.system_prompt, config.max_samples,
+                tokenizer.chat_template or "", vocab, "v1"]
+    digest.update(json.dumps(settings).encode())
+    return digest.hexdigest()[:16]
+
+
+def load_tokenized(path: Path, tokenizer: Any, config: DataConfig) -> tuple[TokenizedSplit, dict]:
+    """Tokenize a file once (under a node-wide lock) and reuse the cached token ids afterwards."""
+    import datasets
+
+    cache = Path(config.cache_dir) / f"{path.stem}-{_fingerprint(path, config, tokenizer)}"
+    with file_lock(cache.with_suffix(".lock")):
+        if not (cache / "stats.json").exists():
+            records = read_records(path)
+            if config.max_samples is not None:
+                records = records[: config.max_samples]
+            if not records:
+                raise UserError(f"{path}: the dataset is empty; it needs at least one record")
+            split, stats = tokenize_records(records, tokenizer, config, str(path))
+            if len(split) == 0:
+                raise UserError(
+                    f"{path}: no sample has a response token within data.max_length="
+                    f"{config.max_length} ({stats.truncated} of {stats.samples} truncated); "
+                    "raise data.max_length or shorten the prompts"
+                )
+            # Another node on a shared filesystem may win the race: the same content either way.
+            with replacing(cache) as tmp:
+                datasets.Dataset.from_dict({"input_ids": split.input_ids, "labels": split.labels}
+                                           ).save_to_disk(str(tmp))
+                (tmp / "stats.json").write_text(json.dumps(stats.__dict__))
+    table = datasets.load_from_disk(str(cache))
+    stats = json.loads((cache / "stats.json").read_text())
+    return TokenizedSplit(table["input_ids"], table["labels"]), stats
+
+
+def split_validation(data: TokenizedSplit, fraction: float, seed: int
+                     ) -> tuple[TokenizedSplit, TokenizedSplit]:
+    order = list(range(len(data)))
+    random.Random(seed).shuffle(order)
+    n_val = int(round(len(order) * fraction)) if fraction > 0 else 0
+    if fraction > 0 and len(order) > 1:
+        n_val = max(1, n_val)
+    val, train = sorted(order[:n_val]), sorted(order[n_val:])
+
+    def pick(indices: list[int]) -> TokenizedSplit:
+        return TokenizedSplit([data.input_ids[i] for i in indices], [data.labels[i] for i in indices])
+
+    return pick(train), pick(val)
+
+
+def build_datasets(config: DataConfig, tokenizer: Any, seed: int
+                   ) -> tuple[TokenizedSplit, TokenizedSplit, dict[str, Any]]:
+    """(train, validation, stats for the log)."""
+    path = resolve_data_path(config.path, config.cache_dir)
+    data, stats = load_tokenized(path, tokenizer, config)
+    if config.val_path:
+        train = data
+        val, val_stats = load_tokenized(resolve_data_path(config.val_path, config.cache_dir),
+                                        tokenizer, config)
+        stats = {k: stats[k] + val_stats[k] for k in stats}
+    else:
+        train, val = split_validation(data, config.val_fraction, seed)
+    if len(train) == 0:
+        raise UserError(f"{config.path}: the training split is empty after holding out "
+                        f"data.val_fraction={config.val_fraction}; lower it or add data")
+    stats.update(train=len(train), val=len(val), source=str(path))
+    return train, val, stats
+

@@ -1,0 +1,1 @@
+"""Starting ranks: MPI flavours and their command lines, hostfiles, fake clusters on one machine."""

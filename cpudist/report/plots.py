@@ -1,0 +1,312 @@
+"""Pictures and a self-contained HTML report of a finished run, and the scaling report.
+
+Everything is made afterwards from the files rank 0 wrote (metrics.jsonl, summary.json,
+config.yaml), so `cpudist report OUTPUT_DIR` can redo it for any run, finished or stopped.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from cpudist.errors import UserError
+from cpudist.files import write_text
+from cpudist.jsonl import read_jsonl
+
+PLOTS = ("loss.png", "lr.png", "throughput.png")
+_SMOOTH = 10  # steps in the running mean of the train loss
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg}); the run may have been "
+                        "cut off while writing it") from None
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def read_run(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+    """(metrics records, summary, config YAML text) of a run directory."""
+    metrics_path = out_dir / "metrics.jsonl"
+    if not out_dir.is_dir():
+        raise UserError(f"{out_dir}: no such run directory; pass the output.dir of a cpudist train run")
+    if not metrics_path.exists():
+        raise UserError(f"{metrics_path} not found; {out_dir} is not the output.dir of a cpudist "
+                        "train run (or the run stopped before its first step)")
+    # metrics.jsonl is machine-written: a broken line is best removed, a non-object ignored.
+    records = read_jsonl(metrics_path, skip_non_objects=True, advice="remove that line")
+    config_path = out_dir / "config.yaml"
+    config_text = config_path.read_text(encoding="utf-8") if config_path.exists() else ""
+    return records, _read_json(out_dir / "summary.json"), config_text
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the records that carry a finite value for key."""
+    steps, values = [], []
+    for record in records:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value) and "step" in record:
+            steps.append(float(record["step"]))
+            values.append(float(value))
+    return steps, values
+
+
+def _line_plot(path: Path, title: str, ylabel: str,
+               lines: list[tuple[str, list[float], list[float]]], log_y: bool = False) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    drawn = False
+    for label, xs, ys in lines:
+        if xs:
+            # Markers keep a single point (one-step runs) visible.
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=4, label=label)
+            drawn = True
+    if not drawn:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(title)
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    if log_y and drawn and all(y > 0 for _, _, ys in lines for y in ys):
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    if drawn and len(lines) > 1:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir: Path) -> list[Path]:
+    """loss.png, lr.png, throughput.png in out_dir."""
+    train_steps, train_loss = _series(records, "loss")
+    val_steps, val_loss = _series(records, "val_loss")
+    if "val_loss_before" in summary and 0.0 not in val_steps:
+        val_steps, val_loss = [0.0, *val_steps], [float(summary["val_loss_before"]), *val_loss]
+    lr_steps, lr = _series(records, "lr")
+    tps_steps, tps = _series(records, "tokens_per_s")
+    loss_lines = [("train", train_steps, train_loss)]
+    if len(train_loss) >= 2 * _SMOOTH:
+        # Per-step loss of small batches is noisy; a running mean shows the trend.
+        means = [sum(train_loss[max(0, i - _SMOOTH + 1) : i + 1]) / (i + 1 - max(0, i - _SMOOTH + 1))
+                 for i in range(len(train_loss))]
+        loss_lines.append((f"train (mean of last {_SMOOTH})", train_steps, means))
+    loss_lines.append(("validation", val_steps, val_loss))
+    return [
+        _line_plot(out_dir / "loss.png", "loss", "cross-entropy per label token", loss_lines),
+        _line_plot(out_dir / "lr.png", "learning rate", "lr", [("lr", lr_steps, lr)]),
+        _line_plot(out_dir / "throughput.png", "throughput (all ranks)", "tokens/s",
+                   [("tokens/s", tps_steps, tps)]),
+    ]
+
+
+# --------------------------------------------------------------------------- HTML
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:980px;
+color:#222;line-height:1.4;padding:0 1em}
+h1{font-size:1.6em}h2{font-size:1.2em;border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ddd;padding:.3em .6em;text-align:left;
+vertical-align:top}th{background:#f5f5f5}pre{background:#f7f7f7;padding:.8em;overflow:auto;font-size:.85em}
+img{max-width:100%;border:1px solid #eee;margin:.4em 0}td{white-space:pre-wrap}
+"""
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def _table(rows: list[tuple[str, Any]]) -> str:
+    cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>"
+                    for k, v in rows if v is not None)
+    return f"<table>{cells}</table>"
+
+
+def _embedded_image(path: Path, alt: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return (f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(alt)}" '
+            f'title="{html.escape(path.name)}"><figcaption>{html.escape(path.name)}</figcaption></figure>')
+
+
+def render_html(records: list[dict[str, Any]], summary: dict[str, Any], config_text: str,
+                images: list[Path], title: str) -> str:
+    environment = [
+        ("CPU", summary.get("cpu")),
+        ("compute dtype", summary.get("dtype")),
+        ("ranks", summary.get("world_size")),
+        ("threads per rank", summary.get("threads_per_rank")),
+        ("communication", summary.get("communication")),
+        ("launcher", summary.get("launcher")),
+        ("global batch (samples)", summary.get("global_batch")),
+    ]
+    steps = [r["step"] for r in records if "loss" in r and "step" in r]
+    figures = [
+        ("steps", summary.get("steps", steps[-1] if steps else None)),
+        ("final train loss", summary.get("train_loss")),
+        ("validation loss before", summary.get("val_loss_before")),
+        ("validation loss after", summary.get("val_loss_after")),
+        ("validation perplexity before", summary.get("val_ppl_before")),
+        ("validation perplexity after", summary.get("val_ppl_after")),
+        ("tokens/s (whole run)", summary.get("tokens_per_s")),
+        ("tokens seen", summary.get("tokens_seen")),
+        ("wall time (s)", summary.get("wall_s")),
+        ("peak RSS rank 0 (GB)", summary.get("peak_rss_gb")),
+        ("skipped non-finite steps", summary.get("bad_steps")),
+    ]
+    parts = [
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    if not summary:
+        parts.append("<p><strong>No summary.json: the run did not finish (stopped or still "
+                     "running); the plots show the steps logged so far.</strong></p>")
+    parts += ["<h2>Final figures</h2>", _table(figures),
+              "<h2>Environment</h2>", _table(environment),
+              "<h2>Plots</h2>", *(_embedded_image(p, p.stem) for p in images)]
+    samples = summary.get("samples") or []
+    if samples:
+        parts.append("<h2>Held-out answers before and after training</h2>")
+        for sample in samples:
+            parts.append(_table([("prompt", sample.get("prompt", "")),
+                                 ("reference", sample.get("reference", "")),
+                                 ("before", sample.get("before", "")),
+                                 ("after", sample.get("after", ""))]))
+    parts += ["<h2>Config</h2>", f"<pre>{html.escape(config_text or '(no config.yaml)')}</pre>",
+              "</body></html>"]
+    return "\n".join(parts)
+
+
+def write_report(out_dir: Path) -> Path:
+    """Plots and OUTPUT/report.html for a run directory; returns the HTML path."""
+    out_dir = Path(out_dir)
+    records, summary, config_text = read_run(out_dir)
+    images = write_plots(records, summary, out_dir)
+    target = out_dir / "report.html"
+    write_text(target, render_html(records, summary, config_text, images,
+                                   f"cpudist run: {out_dir.name}"))
+    return target
+
+
+# --------------------------------------------------------------------------- scaling
+
+
+def scaling_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows sorted by world size with speedup and efficiency against the smallest rank count."""
+    if not rows:
+        raise UserError("scaling report: no measurements to report")
+    for row in rows:
+        if "world_size" not in row or "tokens_per_s" not in row:
+            raise UserError(f"scaling report: each row needs world_size and tokens_per_s; got "
+                            f"{sorted(row)}")
+    ordered = sorted(rows, key=lambda r: int(r["world_size"]))
+    base = ordered[0]
+    base_n, base_tps = int(base["world_size"]), float(base["tokens_per_s"])
+    table = []
+    for row in ordered:
+        n, tps = int(row["world_size"]), float(row["tokens_per_s"])
+        speedup = tps / base_tps if base_tps > 0 else float("nan")
+        # Per-rank throughput relative to the smallest run (= tps(n) / (n * tps(1)) when it is 1).
+        efficiency = speedup * base_n / n
+        table.append({**row, "world_size": n, "tokens_per_s": tps, "speedup": speedup,
+                      "efficiency": efficiency})
+    return table
+
+
+def scaling_markdown(table: list[dict[str, Any]]) -> str:
+    standard = ["world_size", "tokens_per_s", "speedup", "efficiency"]
+    extra = []
+    for row in table:
+        extra += [k for k, v in row.items() if k not in standard and k not in extra
+                  and isinstance(v, (int, float, str)) and not isinstance(v, bool)]
+    headers = ["ranks", "tokens/s", "speedup", "efficiency", *extra]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
+    for row in table:
+        cells = [str(row["world_size"]), f"{row['tokens_per_s']:.1f}", f"{row['speedup']:.2f}x",
+                 f"{100 * row['efficiency']:.0f}%"]
+        cells += [_fmt(row.get(k, "")) for k in extra]
+        lines.append("| " + " | ".join(cells) + " |")
+    base = table[0]["world_size"]
+    lines += ["", f"Efficiency = tokens/s(n) / (n / {base} x tokens/s({base})), relative to the "
+                  f"smallest rank count measured ({base})."]
+    return "\n".join(lines) + "\n"
+
+
+def write_scaling_report(rows: list[dict[str, Any]], out_dir: Path) -> tuple[Path, Path]:
+    """scaling.md (table) and scaling.png (tokens/s and efficiency vs ranks) in out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = scaling_table(rows)
+    md_path = out_dir / "scaling.md"
+    md_path.write_text("# Scaling\n\n" + scaling_markdown(table), encoding="utf-8")
+
+    plt = _pyplot()
+    ranks = [r["world_size"] for r in table]
+    tps = [r["tokens_per_s"] for r in table]
+    eff = [100 * r["efficiency"] for r in table]
+    base_n, base_tps = ranks[0], tps[0]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
+    left.plot(ranks, tps, marker="o", label="measured")
+    left.plot(ranks, [base_tps * n / base_n for n in ranks], linestyle="--", color="grey",
+              label="linear")
+    left.set_xlabel("ranks")
+    left.set_ylabel("tokens/s")
+    left.set_title("throughput")
+    left.legend()
+    right.plot(ranks, eff, marker="o")
+    right.axhline(100, linestyle="--", color="grey")
+    right.set_ylim(0, max(110, max(eff) * 1.1) if all(math.isfinite(e) for e in eff) else 110)
+    right.set_xlabel("ranks")
+    right.set_ylabel("efficiency (%)")
+    right.set_title("scaling efficiency")
+    for ax in (left, right):
+        ax.set_xticks(ranks)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    png_path = out_dir / "scaling.png"
+    fig.savefig(png_path)
+    plt.close(fig)
+    return md_path, png_path
+
+
+# --------------------------------------------------------------------------- bench vs a peer
+
+
+def write_vs_plot(outcome: dict[str, Any], labels: dict[str, str], peer: str, path: Path) -> Path:
+    """Bar chart of cpudist / peer for each figure of a `bench --vs` outcome (above 1 = cpudist
+    higher). labels: figure key -> its name in the table."""
+    plt = _pyplot()
+    keys = [k for k in outcome["ratios"] if k != "padding_fraction"]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    bars = ax.bar([labels[k] for k in keys], [outcome["ratios"][k] for k in keys])
+    ax.bar_label(bars, fmt="%.2fx")
+    ax.axhline(1.0, color="grey", linestyle="--")
+    ax.set_ylabel(f"cpudist / {peer}")
+    ax.set_title(f"cpudist vs {peer}: {outcome['cpudist']['data'].split(':')[0]}, "
+                 f"{outcome['cpudist']['dtype'].split(':')[0]}")
+    ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

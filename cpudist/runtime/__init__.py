@@ -1,0 +1,1 @@
+"""The process: allocator, hardware, placement among the ranks, communication, precision."""

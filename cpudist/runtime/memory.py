@@ -1,0 +1,48 @@
+"""What this process holds in memory: peak resident set, and the proportional set size that counts
+pages shared with the node's other ranks (the mapped frozen weights) once per node."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+
+def peak_rss_gb() -> float:
+    """Largest resident set of this process so far (ru_maxrss), in GB."""
+    import resource
+
+    # ru_maxrss is KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+class PssSampler:
+    """Largest proportional set size of this process, sampled in the background (psutil)."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        import psutil
+
+        self.process = psutil.Process()
+        self.peak = 0
+        self.interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> int:
+        with contextlib.suppress(OSError, AttributeError):  # no smaps: no PSS figure
+            self.peak = max(self.peak, self.process.memory_full_info().pss)
+        return self.peak
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> PssSampler:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()

@@ -1,0 +1,132 @@
+"""Starting and ending a rank: the first thing every command that runs a model does.
+
+`start_process` quiets third-party libraries, finds this rank's placement, sets up logging, gives
+the rank its threads and cores, joins the process group, and on the way out makes every rank end
+together (or, when a peer was lost, says which one and exits without waiting for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import socket
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from cpudist.config import DistConfig
+from cpudist.runtime.cluster import (
+    Placement,
+    detect_placement,
+    pin_threads,
+    rank_prefix,
+    threads_for_rank,
+)
+from cpudist.runtime.comm import (
+    all_gather,
+    barrier,
+    first_line,
+    init_process_group,
+    lost_peer,
+    peer_fate,
+    shutdown,
+)
+
+log = logging.getLogger("cpudist")
+
+
+@dataclass(frozen=True)
+class Process:
+    """This rank: where it sits, what it computes with, how it talks to the others."""
+
+    placement: Placement
+    threads: int
+    cpus: list[int] | None  # the CPUs this rank is bound to (None: affinity not supported)
+    communication: str  # one line for the log: backend, rendezvous, hook, timeout
+    peers: list[tuple[str, int]] = field(default_factory=list)  # (host, pid) of every rank
+
+    def describe(self) -> str:
+        cores = "not bound" if self.cpus is None else ",".join(map(str, self.cpus))
+        p = self.placement
+        return (f"ranks: {p.world_size} ({p.launcher}), this node: {p.local_size}, threads per "
+                f"rank: {self.threads}, cores: {cores}")
+
+
+def quiet_libraries() -> None:
+    """Silence third-party progress bars and chatter that drown cpudist's own log."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub at run time
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+
+
+def configure_logging(placement: Placement, debug: bool = False) -> None:
+    """Rank 0 logs info; other ranks only warnings and errors, prefixed with their rank."""
+    level = logging.DEBUG if debug else logging.INFO
+    if not placement.is_main:
+        level = logging.WARNING
+    handler = logging.StreamHandler(sys.stderr if not placement.is_main else sys.stdout)
+    handler.setFormatter(logging.Formatter(f"{rank_prefix(placement)}%(message)s"))
+    root = logging.getLogger("cpudist")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+    # Python warnings from libraries go through the same handler, so they carry the rank prefix.
+    logging.captureWarnings(True)
+    py_warnings = logging.getLogger("py.warnings")
+    py_warnings.handlers[:] = [handler]
+    py_warnings.propagate = False
+
+
+@contextlib.contextmanager
+def start_process(dist: DistConfig, debug: bool = False, resume_hint: str = "") -> Iterator[Process]:
+    """This rank, set up; see the module docstring. Keep what holds DDP or tensors of collectives
+    inside a function called in the with-block, so it is freed before the ranks' final barrier.
+
+    resume_hint: advice appended when a peer is lost (e.g. how to continue from a checkpoint).
+    """
+    quiet_libraries()
+    placement = detect_placement()
+    configure_logging(placement, debug)
+    threads = threads_for_rank(placement, dist.threads_per_rank)
+    cpus = pin_threads(placement, threads)
+    communication = "single process"
+    peers: list[tuple[str, int]] = [(socket.gethostname(), os.getpid())]
+    try:
+        if placement.distributed:
+            communication = init_process_group(placement, dist.backend, dist.master_addr,
+                                               dist.master_port, dist.interface, dist.timeout_s)
+            if dist.backend == "mpi":
+                communication += ("; DDP comm hook: non-blocking MPI Iallreduce"
+                                  if dist.mpi_nonblocking else "; DDP comm hook: MPI Allreduce")
+            communication += f"; collective timeout {dist.timeout_s:g} s"
+            # Who runs where: if a peer vanishes, this rank can say which one (on its own node).
+            peers = all_gather(peers[0], placement)
+        yield Process(placement, threads, cpus, communication, peers)
+        # Every rank ends here together (done, or stopped by a signal). gloo's worker threads
+        # drop the tensors of the last collective (Python-owned, from *_object collectives)
+        # after wait() returns; if that lands during interpreter shutdown the process aborts.
+        # A barrier, then freeing DDP and the group, keeps that inside the live interpreter.
+        barrier(placement)
+        gc.collect()
+    except RuntimeError as exc:
+        if not placement.distributed or debug or not lost_peer(exc):
+            raise
+        log.error("error: lost contact with the other ranks (%s). %s; see the other ranks' output "
+                  "(mpirun names a rank that died).%s", first_line(exc),
+                  peer_fate(peers, placement.rank), f" {resume_hint}" if resume_hint else "")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # No clean shutdown: destroying the group or MPI_Finalize would wait for the lost peer.
+        os._exit(1)
+    finally:
+        shutdown()

@@ -1,0 +1,1 @@
+"""Training: the engine (the one setup), the loop, evaluation, checkpoints, output, faults."""

@@ -1,0 +1,251 @@
+"""Rank-0 checkpoints: atomic, resumable, keep-last-K; safetensors for tensors, JSON for the rest.
+
+Layout of OUTPUT/checkpoints/step-N/:
+  adapter/                 PEFT adapter (adapter_config.json + adapter_model.safetensors)
+  optimizer.safetensors    AdamW moments per trainable parameter (keyed by parameter name)
+  rng.safetensors          torch RNG state of every rank
+  state.json               step, epoch, position in the epoch, world size, optimizer hyperparameters,
+                           scheduler state, python RNG of every rank, counters
+  config.yaml              the resolved config of the run
+A checkpoint is written into a hidden temporary directory and renamed into place, so a crash
+during a save leaves the previous checkpoint as it was; leftovers are removed on resume.
+
+`save`/`restore` connect a checkpoint with an engine: every rank's RNG is gathered for rank 0 to
+write, and rank 0 alone reads a checkpoint and sends it to the others (no shared filesystem needed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from cpudist.errors import UserError
+from cpudist.files import TMP_MARK, fsync_dir, fsync_tree, remove, replacing
+from cpudist.runtime.comm import agreed, all_gather, broadcast, rank0_only
+
+if TYPE_CHECKING:
+    from cpudist.train.engine import Engine
+
+log = logging.getLogger("cpudist")
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class TrainState:
+    """Counters that, with the weights and RNG, determine what happens next."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    step_in_epoch: int = 0
+    world_size: int = 1
+    bad_steps_total: int = 0
+    bad_steps_in_a_row: int = 0
+    tokens_seen: int = 0
+    elapsed_s: float = 0.0  # training wall time before this process started
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG: torch (tensor) and python (JSON-able)."""
+    version, internal, gauss = random.getstate()
+    return {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, names: list[str]
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split optimizer state into tensors (keyed by parameter name) and JSON-able settings."""
+    state = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for index, per_param in state["state"].items():
+        for key, value in per_param.items():
+            tensor = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"{names[index]}::{key}"] = tensor.contiguous()
+    return tensors, {"param_groups": state["param_groups"]}
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, names: list[str],
+                   tensors: dict[str, torch.Tensor], settings: dict[str, Any]) -> None:
+    index_of = {name: i for i, name in enumerate(names)}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name, _, slot = key.rpartition("::")
+        if name not in index_of:
+            raise UserError(f"checkpoint optimizer state names parameter {name!r} which this model "
+                            "does not have; resume with the same model and lora settings")
+        state.setdefault(index_of[name], {})[slot] = tensor
+    optimizer.load_state_dict({"state": state, "param_groups": settings["param_groups"]})
+
+
+def checkpoint_dirs(root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = STEP_DIR.match(path.name)
+        if match and (path / "state.json").is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def clean_partial(root: Path) -> list[Path]:
+    """Remove half-written checkpoint directories left by a crash during a save."""
+    removed = []
+    if root.is_dir():
+        for path in root.iterdir():
+            if TMP_MARK in path.name or (STEP_DIR.match(path.name)
+                                         and not (path / "state.json").is_file()):
+                remove(path)
+                removed.append(path)
+    return removed
+
+
+def save_checkpoint(root: Path, model: Any, optimizer: torch.optim.Optimizer,
+                    param_names: list[str], scheduler: Any, state: TrainState,
+                    rng_states: list[dict[str, Any]], config_yaml: str, keep_last: int) -> Path:
+    """Write OUTPUT/checkpoints/step-N atomically (rank 0 only); returns its path."""
+    for name, param in model.named_parameters():
+        if param.requires_grad and not torch.isfinite(param).all():
+            raise RuntimeError(f"refusing to save a checkpoint: trainable weight {name} is not "
+                               "finite")
+    final = root / f"step-{state.step}"
+    try:
+        with replacing(final) as tmp:
+            tmp.mkdir()
+            model.save_pretrained(tmp / "adapter", safe_serialization=True)
+            tensors, settings = optimizer_tensors(optimizer, param_names)
+            save_file(tensors, str(tmp / "optimizer.safetensors"))
+            save_file({f"rank{r}": s["torch"] for r, s in enumerate(rng_states)},
+                      str(tmp / "rng.safetensors"))
+            payload = {
+                "train": asdict(state),
+                "optimizer": settings,
+                "scheduler": scheduler.state_dict(),
+                "python_rng": [s["python"] for s in rng_states],
+                "format": 1,
+            }
+            (tmp / "config.yaml").write_text(config_yaml)
+            # state.json last: its presence marks a complete checkpoint.
+            (tmp / "state.json").write_text(json.dumps(payload, indent=1))
+            fsync_tree(tmp)
+        fsync_dir(root)
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
+        previous = checkpoint_dirs(root)
+        kept = f"; the previous checkpoint {previous[-1]} is intact" if previous else ""
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise UserError(f"could not write checkpoint {final}: {reason}{kept}. Free "
+                        "disk space or fix permissions, then resume with train.resume=auto") from exc
+    for old in checkpoint_dirs(root)[:-keep_last]:
+        remove(old)
+    return final
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    state: TrainState
+    adapter_tensors: dict[str, torch.Tensor]
+    optimizer_tensors: dict[str, torch.Tensor]
+    optimizer_settings: dict[str, Any]
+    scheduler_state: dict[str, Any]
+    rng_states: list[dict[str, Any]]
+
+
+def find_resume(resume: str | None, root: Path) -> Path | None:
+    """The checkpoint to continue from for train.resume (None = start fresh)."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        removed = clean_partial(root)
+        for path in removed:
+            log.warning("removed half-written checkpoint %s", path)
+        found = checkpoint_dirs(root)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / "state.json").is_file() or not (path / "adapter").is_dir():
+        raise UserError(f"train.resume={resume!r} is not a cpudist checkpoint (expected a "
+                        "checkpoints/step-N directory with state.json and adapter/); use "
+                        "train.resume=auto to pick the newest one")
+    return path
+
+
+def load_checkpoint(path: Path) -> LoadedCheckpoint:
+    try:
+        payload = json.loads((path / "state.json").read_text())
+        # Straight from safetensors: peft's loader would fall back to unpickling adapter_model.bin.
+        adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"))
+        optimizer = load_file(str(path / "optimizer.safetensors"))
+        rng = load_file(str(path / "rng.safetensors"))
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise UserError(f"checkpoint {path} is unreadable ({exc}); resume from an older one with "
+                        "train.resume=PATH") from exc
+    train = TrainState(**payload["train"])
+    rng_states = [{"torch": rng[f"rank{r}"], "python": py}
+                  for r, py in enumerate(payload["python_rng"])]
+    return LoadedCheckpoint(path, train, adapter, optimizer, payload["optimizer"],
+                            payload["scheduler"], rng_states)
+
+
+# --------------------------------------------------------------------------- with an engine
+
+
+def save(engine: Engine, state: TrainState, out: Path) -> None:
+    """Checkpoint the engine's adapter, optimizer, schedule and every rank's RNG (rank 0 writes)."""
+    rng_states = all_gather(rng_state(), engine.placement)
+
+    def write() -> None:
+        path = save_checkpoint(out / "checkpoints", engine.model, engine.optimizer,
+                               engine.param_names, engine.scheduler, state, rng_states,
+                               engine.config.to_yaml(), engine.config.train.keep_last)
+        log.info("checkpoint: %s", path)
+
+    rank0_only(engine.placement, write)
+
+
+def restore(engine: Engine, resume: str | None, out: Path) -> TrainState | None:
+    """Continue from the checkpoint train.resume names (the newest for auto); None when there is
+    none. A checkpoint that does not fit this run stops every rank together."""
+    from peft import set_peft_model_state_dict
+
+    placement = engine.placement
+    found = rank0_only(placement, lambda: find_resume(resume, out / "checkpoints"))
+    path = broadcast(str(found) if found else None, placement)
+    if path is None:
+        if resume is not None and resume != "auto":
+            raise UserError(f"train.resume={resume!r}: not a checkpoint")
+        return None
+    # broadcast pickles, but only between this job's own processes.
+    loaded = broadcast(rank0_only(placement, lambda: load_checkpoint(Path(path))), placement)
+    assert loaded is not None
+
+    def apply() -> TrainState:
+        if loaded.state.world_size != placement.world_size:
+            raise UserError(
+                f"checkpoint {path} was written by {loaded.state.world_size} ranks and this run "
+                f"has {placement.world_size}; resume with -np {loaded.state.world_size} (the data "
+                "order and per-rank random states depend on the world size)")
+        set_peft_model_state_dict(engine.model, loaded.adapter_tensors)
+        load_optimizer(engine.optimizer, engine.param_names, loaded.optimizer_tensors,
+                       loaded.optimizer_settings)
+        engine.scheduler.load_state_dict(loaded.scheduler_state)
+        set_rng_state(loaded.rng_states[placement.rank])
+        return loaded.state
+
+    state = agreed(placement, apply)
+    log.info("resumed from %s at step %d", path, state.step)
+    return state

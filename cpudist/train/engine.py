@@ -1,0 +1,236 @@
+"""The engine: the one setup of a model in a rank, and the one training step.
+
+`open_session` loads a model for eval and generate (base + saved adapter); `build_engine` loads one
+for training (base + fresh adapter, data, optimizer, schedule, DDP) and `Engine.step` takes one
+optimizer step. `cpudist train` loops over that step, `cpudist bench` times it: there is no other
+copy of the setup or of the step.
+
+One optimizer step: this rank's micro-batches -> forward (loss only at label positions) ->
+backward under no_sync except the last micro-step -> DDP allreduce of the adapter's gradients ->
+clip -> AdamW (skipped when the loss or gradient is not finite) -> LR schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cpudist.config import Config
+from cpudist.data.batches import Batch, GlobalBatches, make_batch
+from cpudist.data.tokenize import TokenizedSplit
+from cpudist.model.adapters import resolve_adapter, trainable_parameters
+from cpudist.model.load import build_model, load_for_inference
+from cpudist.model.loss import CausalLMLoss
+from cpudist.runtime.comm import agreed, allreduce, mpi_allreduce_hook
+from cpudist.runtime.precision import Precision, choose_precision
+from cpudist.runtime.process import Process
+from cpudist.train.evaluate import evaluate
+
+log = logging.getLogger("cpudist")
+
+
+@dataclass
+class Session:
+    """A model loaded in this rank: what eval and generate run, and what the engine trains."""
+
+    config: Config
+    process: Process
+    precision: Precision
+    model: nn.Module  # the peft model (base + adapter)
+    tokenizer: Any
+    model_dir: Path
+    loss: CausalLMLoss  # the model wrapped to return (sum of token losses, label tokens)
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    def evaluate(self, data: TokenizedSplit, limit: int | None = None,
+                 loss: nn.Module | None = None) -> dict[str, float]:
+        """Mean loss and perplexity over every label token of data (all ranks)."""
+        return evaluate(loss or self.loss, data, self.config.train.batch_size, self.pad_id,
+                        self.precision, self.process.placement, limit)
+
+
+def open_session(config: Config, process: Process, adapter: str | None = None,
+                 flag: str = "--base") -> Session:
+    """Base model (+ the saved adapter at `adapter`) for evaluation and generation, in eval mode."""
+    adapter_dir = resolve_adapter(adapter) if adapter else None  # fail before the slow load
+    precision = choose_precision(config.model.dtype)
+    model, tokenizer, model_dir = load_for_inference(config.model, adapter_dir, precision, flag)
+    return Session(config, process, precision, model, tokenizer, model_dir,
+                   CausalLMLoss(model, config.train.loss_chunk_size))
+
+
+@dataclass
+class Datasets:
+    train: TokenizedSplit
+    val: TokenizedSplit
+    description: str  # for the log: where the samples come from, and how many
+
+
+# Loads the data once the tokenizer is known: (tokenizer, model) -> Datasets.
+DataLoader = Callable[[Any, nn.Module], Datasets]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean over every label token of the global batch
+    grad_norm: float  # before clipping
+    label_tokens: float  # of the global batch (all ranks)
+    tokens: float  # real (non-padding) tokens of the global batch
+    finite: bool  # False: loss or gradient not finite, the update was skipped
+    lr: float  # the learning rate this step used
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    """Linear warm-up, then cosine decay to min_ratio of the peak."""
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_engine(config: Config, process: Process, load_data: DataLoader,
+                 total_steps: int | None = None) -> Engine:
+    """Model, data, loss, optimizer, schedule and DDP of a training rank. Every rank gets the same
+    adapter initialisation (same seed); a UserError on any rank stops them all with its message."""
+    random.seed(config.train.seed)
+    torch.manual_seed(config.train.seed)
+    precision = choose_precision(config.model.dtype)
+
+    def load() -> tuple[nn.Module, Any, Path, Datasets]:
+        model, tokenizer, model_dir = build_model(config.model, config.lora, precision)
+        return model, tokenizer, model_dir, load_data(tokenizer, model)
+
+    model, tokenizer, model_dir, data = agreed(process.placement, load)
+    session = Session(config, process, precision, model, tokenizer, model_dir,
+                      CausalLMLoss(model, config.train.loss_chunk_size))
+    return Engine(session, data, total_steps)
+
+
+class Engine:
+    """A training rank: its session, data, optimizer, schedule and the module a step runs."""
+
+    def __init__(self, session: Session, data: Datasets, total_steps: int | None = None) -> None:
+        config, placement = session.config, session.process.placement
+        tc = config.train
+        self.session = session
+        self.data = data
+        self.config = config
+        self.placement = placement
+        self.params = trainable_parameters(session.loss)
+        self.param_names = [name for name, _ in self.params]
+        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            [p for _, p in self.params], lr=tc.lr, weight_decay=tc.weight_decay)
+        loss_module: nn.Module = session.loss
+        if tc.ipex:
+            loss_module, self.optimizer = _ipex_optimize(loss_module, self.optimizer)
+        self.batches = GlobalBatches(data.train, tc.batch_size, tc.grad_accum,
+                                     placement.world_size, tc.seed, config.data.group_by_length)
+        self.total_steps = total_steps or tc.max_steps or tc.epochs * self.batches.steps_per_epoch
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(tc.warmup_steps, self.total_steps, tc.min_lr_ratio))
+        self.step_module = wrap_ddp(loss_module, config) if placement.distributed else loss_module
+        if tc.compile:
+            self.step_module = torch.compile(self.step_module)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.session.model
+
+    @property
+    def global_batch(self) -> int:
+        tc = self.config.train
+        return tc.batch_size * tc.grad_accum * self.placement.world_size
+
+    def micro_batches(self, epoch: int, index: int) -> list[Batch]:
+        """This rank's micro-batches of optimizer step `index` of `epoch`."""
+        return [make_batch(self.data.train, indices, self.session.pad_id, self.config)
+                for indices in self.batches.step_batches(epoch, index, self.placement.rank)]
+
+    def step(self, micro: list[Batch]) -> StepResult:
+        """One optimizer step over this rank's micro-batches (every rank calls it together)."""
+        label_tokens, tokens = allreduce(
+            [sum(b.label_tokens for b in micro), sum(b.tokens for b in micro)], self.placement)
+        loss_local = self._accumulate_gradients(micro, label_tokens)
+        max_norm = self.config.train.max_grad_norm or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in self.params], max_norm)
+        (loss_global,) = allreduce([loss_local], self.placement)
+        loss = loss_global / max(label_tokens, 1.0)
+        finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss, float(grad_norm), label_tokens, tokens, finite, lr)
+
+    def _accumulate_gradients(self, micro: list[Batch], label_tokens: float) -> float:
+        """Forward and backward over the micro-batches; returns this rank's loss sum.
+
+        Gradients are allreduced only on the last micro-batch (no_sync before). Each rank's loss
+        is scaled so the averaged gradient is the mean over every label token of the global batch,
+        whatever the world size or per-rank token counts.
+        """
+        scale = self.placement.world_size / max(label_tokens, 1.0)
+        module = self.step_module
+        loss_local = 0.0
+        for k, batch in enumerate(micro):
+            last = k == len(micro) - 1
+            no_sync = (module.no_sync() if self.placement.distributed and not last
+                       and hasattr(module, "no_sync") else contextlib.nullcontext())
+            with no_sync, self.session.precision.autocast():
+                loss_sum, _ = module(**batch.as_kwargs())
+                (loss_sum * scale).backward()
+            loss_local += float(loss_sum.detach())
+        return loss_local
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss and perplexity (all ranks)."""
+        return self.session.evaluate(self.data.val, self.config.train.eval_batches)
+
+
+def wrap_ddp(module: nn.Module, config: Config) -> nn.Module:
+    """DDP over the adapter's parameters only, with the MPI hook when dist.backend=mpi."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # Frozen weights and buffers are identical on every rank already (same files); keeping them
+    # out of DDP's start-up broadcast also keeps shared read-only pages from being written.
+    frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
+    frozen += [name for name, _ in module.named_buffers()]
+    DDP._set_params_and_buffers_to_ignore_for_model(module, frozen)
+    with warnings.catch_warnings():
+        # broadcast_buffers is deprecated, but its successor still syncs buffers at init; every
+        # buffer is ignored above anyway, so the warning says nothing about this run.
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        ddp = DDP(module, bucket_cap_mb=config.dist.bucket_cap_mb, broadcast_buffers=False,
+                  find_unused_parameters=False)
+    if config.dist.backend == "mpi":
+        ddp.register_comm_hook(None, mpi_allreduce_hook(config.dist.mpi_nonblocking))
+    return ddp
+
+
+def _ipex_optimize(module: nn.Module, optimizer: torch.optim.Optimizer
+                   ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    try:
+        import intel_extension_for_pytorch as ipex
+    except ImportError:
+        log.warning("train.ipex=true but intel_extension_for_pytorch does not import (it is "
+                    "retired upstream and needs torch 2.8); continuing with stock PyTorch")
+        return module, optimizer
+    log.info("IPEX %s: ipex.optimize on the model and optimizer", ipex.__version__)
+    return ipex.optimize(module, optimizer=optimizer)

@@ -1,0 +1,121 @@
+"""The output directory of a run (written by rank 0 alone):
+
+  config.yaml      the resolved config        metrics.jsonl   one line per logged step
+  adapter/         the final adapter (PEFT)   checkpoints/    resumable step-N directories
+  summary.json     final figures              report.html, *.png   plots (cpudist.report.plots)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from cpudist.config import Config, load_config
+from cpudist.errors import UserError
+from cpudist.files import remove, replacing, write_text
+
+log = logging.getLogger("cpudist")
+
+# Keys that may differ between a run and its continuation in the same output directory.
+RESUMABLE_KEYS = {("train", "resume"), ("output", "overwrite"), ("train", "max_steps"),
+                  ("train", "epochs"), ("dist", "threads_per_rank"), ("dist", "master_addr"),
+                  ("dist", "master_port"), ("dist", "interface"), ("dist", "timeout_s")}
+
+
+def prepare_output(config: Config) -> Path:
+    """Create OUTPUT/ (rank 0), refusing to mix a different run's files into it."""
+    out = Path(config.output.dir)
+    saved = out / "config.yaml"
+    if saved.exists() and not config.output.overwrite:
+        import yaml
+
+        previous = yaml.safe_load(saved.read_text()) or {}
+        current = config.to_dict()
+        changed = sorted(
+            f"{section}.{key}"
+            for section, values in current.items()
+            for key, value in values.items()
+            if (section, key) not in RESUMABLE_KEYS
+            and previous.get(section, {}).get(key, value) != value
+        )
+        if changed:
+            raise UserError(
+                f"output directory {out} holds a run with a different config ({', '.join(changed)});"
+                " choose another output.dir, or set output.overwrite=true to start over there"
+            )
+        if config.train.resume is None and (out / "checkpoints").exists():
+            raise UserError(
+                f"output directory {out} already holds this run; continue it with "
+                "train.resume=auto, or set output.overwrite=true to start over"
+            )
+    if config.output.overwrite and config.train.resume is None and out.exists():
+        for name in ("checkpoints", "adapter", "metrics.jsonl", "summary.json"):
+            remove(out / name)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"output.dir={str(out)!r} is not writable ({exc.strerror}); choose a "
+                        "directory you can write to") from exc
+    saved.write_text(config.to_yaml())
+    return out
+
+
+def save_final_adapter(model: Any, target: Path) -> None:
+    """OUTPUT/adapter, replaced atomically; a failure says where the same weights still are."""
+    from safetensors import SafetensorError
+
+    from cpudist.model.adapters import save_adapter
+
+    try:
+        with replacing(target) as tmp:
+            save_adapter(model, tmp)
+    except (OSError, SafetensorError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise UserError(f"could not write the adapter to {target}: {reason}. The same weights are "
+                        f"in the newest checkpoint under {target.parent / 'checkpoints'}") from exc
+
+
+def write_summary(out: Path, summary: dict[str, Any]) -> None:
+    write_text(out / "summary.json", json.dumps(summary, indent=1, ensure_ascii=False))
+
+
+def resume_command() -> str:
+    """This process's command line as `cpudist ...` with train.resume=auto."""
+    args = [a for a in sys.argv[1:] if not a.startswith("train.resume=")]
+    return " ".join(shlex.quote(a) for a in ["cpudist", *args, "train.resume=auto"])
+
+
+def print_outcome(summary: dict[str, Any]) -> None:
+    lines = [f"done: {summary['steps']} steps in {summary['wall_s']:.0f} s, "
+             f"{summary['tokens_per_s']:.0f} tokens/s, peak RSS {summary['peak_rss_gb']:.2f} GB"]
+    if "val_loss_before" in summary and "val_loss_after" in summary:
+        lines.append(f"validation loss: before {summary['val_loss_before']:.4f} -> after "
+                     f"{summary['val_loss_after']:.4f} (perplexity {summary['val_ppl_before']:.2f}"
+                     f" -> {summary['val_ppl_after']:.2f})")
+    for sample in summary.get("samples", []):
+        lines.append(f"held-out prompt: {sample['prompt']!r}")
+        lines.append(f"  reference: {sample['reference']}")
+        lines.append(f"  before:    {sample['before']}")
+        lines.append(f"  after:     {sample['after']}")
+    log.info("\n".join(lines))
+
+
+def adapter_run_config(adapter_dir: Path) -> tuple[Config | None, Path | None]:
+    """The config of the run that wrote an adapter: OUTPUT/config.yaml beside OUTPUT/adapter, or
+    step-N/config.yaml beside a checkpoint's adapter/. (None, None) when there is none."""
+    path = adapter_dir.parent / "config.yaml"
+    if not path.is_file():
+        return None, None
+    try:
+        return load_config(path), path
+    except UserError as exc:
+        print(f"note: ignoring {path} ({exc}); using default settings", file=sys.stderr)
+        return None, None

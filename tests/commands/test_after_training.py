@@ -1,0 +1,261 @@
+"""cpudist merge / generate / eval against a real (tiny) training run and the real SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from cpudist.cli import main
+from cpudist.config import Config, DataConfig, DistConfig, LoraConfig, ModelConfig, TrainConfig, load_config
+from cpudist.data.tokenize import IGNORE, load_tokenized, tokenize_records
+from cpudist.runtime.process import start_process
+from cpudist.train.engine import Session, open_session
+from cpudist.train.evaluate import evaluate_file
+from cpudist.train.generate import generate, prompt_ids, sample_prompts
+from tests.helpers import CHAT_ROWS, cpudist_cmd, run, tiny_overrides, write_jsonl
+
+STEPS = 16
+VAL_ROWS = CHAT_ROWS[:5]
+
+
+def _chat_rows(pairs: list[tuple[str, str]]) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q, a in pairs]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A real `cpudist train` run of the tiny Llama with a separate validation file."""
+    root = tmp_path_factory.mktemp("tools")
+    train_file = write_jsonl(root / "train.jsonl", _chat_rows(CHAT_ROWS * 4))
+    val_file = write_jsonl(root / "val.jsonl", _chat_rows(VAL_ROWS))
+    out = root / "run"
+    overrides = tiny_overrides(tiny_llama, train_file, out, data__val_path=val_file,
+                               train__max_steps=STEPS, train__lr=3e-2, train__eval_batches="null")
+    result = run([*cpudist_cmd(), "train", *overrides])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    return {"base": tiny_llama, "out": out, "val": val_file, "summary": summary,
+            "overrides": overrides}
+
+
+def _session(base: Path, adapter: Path | None = None, data: Path | None = None,
+             batch_size: int = 4) -> Session:
+    """The model as `cpudist eval`/`generate` load it (float32, 64-token samples)."""
+    config = Config(model=ModelConfig(path=str(base), dtype="float32"),
+                    data=DataConfig(path=str(data or "chatterbot:english"), format="chat",
+                                    max_length=64, val_fraction=0.0,
+                                    cache_dir=str(Path(data).parent / "data-cache") if data
+                                    else ".cache/data"),
+                    train=TrainConfig(batch_size=batch_size))
+    with start_process(DistConfig()) as process:
+        return open_session(config, process, str(adapter) if adapter else None)
+
+
+def _ids() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randint(0, 2000, (2, 16))
+
+
+@torch.no_grad()
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model.eval()(input_ids=ids).logits
+
+
+def test_saved_adapter_reloads_with_plain_peft_to_the_trained_weights(trained: dict) -> None:
+    from peft import PeftModel, set_peft_model_state_dict
+
+    from cpudist.model.load import build_model
+    from cpudist.runtime.precision import choose_precision
+    from cpudist.train.checkpoint import load_checkpoint
+
+    # The trained model as the trainer itself rebuilds it on resume: its own model builder plus
+    # the LoRA tensors of the final checkpoint.
+    config = load_config(None, trained["overrides"])
+    model, _, _ = build_model(config.model, config.lora, choose_precision(config.model.dtype))
+    checkpoint = load_checkpoint(trained["out"] / "checkpoints" / f"step-{STEPS}")
+    set_peft_model_state_dict(model, checkpoint.adapter_tensors)
+
+    base = AutoModelForCausalLM.from_pretrained(trained["base"], dtype=torch.float32)
+    base_logits = _logits(base, _ids())
+    reloaded = PeftModel.from_pretrained(base, trained["out"] / "adapter")
+    ids = _ids()
+    torch.testing.assert_close(_logits(reloaded, ids), _logits(model, ids))
+    # The adapter is not a no-op: training moved the outputs.
+    assert (_logits(reloaded, ids) - base_logits).abs().max() > 1e-3
+
+
+def test_merged_model_loads_without_peft_and_matches_base_plus_adapter(
+        trained: dict, tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    merged_dir = tmp_path / "merged"
+    result = run([*cpudist_cmd(), "merge", "--base", trained["base"], "--adapter",
+                  trained["out"] / "adapter", "--out", merged_dir])
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (merged_dir / name).is_file(), name
+    assert not (merged_dir / "adapter_config.json").exists()
+    with safe_open(merged_dir / "model.safetensors", "pt") as handle:
+        keys = list(handle.keys())
+    assert keys and not any("lora" in key or "base_layer" in key for key in keys), keys[:5]
+    assert json.loads((merged_dir / "config.json").read_text())["use_cache"] is True
+
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    assert type(merged).__name__ == "LlamaForCausalLM"
+    base = AutoModelForCausalLM.from_pretrained(trained["base"], dtype=torch.float32)
+    base_logits = _logits(base, _ids())
+    peft_model = PeftModel.from_pretrained(base, trained["out"] / "adapter")
+    ids = _ids()
+    merged_logits = _logits(merged, ids)
+    torch.testing.assert_close(merged_logits, _logits(peft_model, ids), atol=1e-4, rtol=1e-4)
+    assert (merged_logits - base_logits).abs().max() > 1e-3
+
+    # The merged directory is a base model for the other tools, with the same numbers.
+    as_base = evaluate_file(_session(merged_dir, data=trained["val"]))
+    assert as_base["loss"] == pytest.approx(trained["summary"]["val_loss_after"], rel=1e-4)
+
+    # Writing over it needs --force.
+    assert main(["merge", "--base", str(trained["base"]), "--adapter",
+                 str(trained["out"] / "adapter"), "--out", str(merged_dir)]) == 2
+    assert main(["merge", "--base", str(trained["base"]), "--adapter",
+                 str(trained["out"] / "adapter"), "--out", str(merged_dir), "--force",
+                 "--dtype", "bfloat16"]) == 0
+    with safe_open(merged_dir / "model.safetensors", "pt") as handle:
+        names = list(handle.keys())
+        assert {handle.get_tensor(name).dtype for name in names} == {torch.bfloat16}
+    half = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    torch.testing.assert_close(_logits(half, ids), merged_logits, atol=0.1, rtol=0.05)
+
+
+def test_eval_reproduces_the_trainers_validation_numbers(trained: dict) -> None:
+    summary = trained["summary"]
+    common = ["--base", trained["base"], "--data", trained["val"], "--format", "chat",
+              "--max-length", "64", "--batch-size", "4", "--dtype", "float32", "--json"]
+    result = run([*cpudist_cmd(), "eval", "--adapter", trained["out"] / "adapter", *common])
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = json.loads(result.stdout.strip().splitlines()[-1])
+    assert after["loss"] == pytest.approx(summary["val_loss_after"], rel=1e-4)
+    assert after["perplexity"] == pytest.approx(summary["val_ppl_after"], rel=1e-4)
+    assert after["samples"] == len(VAL_ROWS)
+
+    # Without the adapter: the base model's loss, which the run logged before training.
+    before = evaluate_file(_session(trained["base"], data=trained["val"]))
+    assert before["loss"] == pytest.approx(summary["val_loss_before"], rel=1e-4)
+    assert after["loss"] < before["loss"]
+
+    # Token accuracy and loss checked independently with full logits from plain transformers.
+    session = _session(trained["base"], trained["out"] / "adapter", trained["val"])
+    model, tokenizer = session.model, session.tokenizer
+    data, _ = load_tokenized(Path(trained["val"]), tokenizer,
+                             DataConfig(format="chat", max_length=64,
+                                        cache_dir=str(trained["out"].parent / "data-cache")))
+    correct = count = 0
+    loss_sum = 0.0
+    with torch.no_grad():
+        for ids, labels in zip(data.input_ids, data.labels, strict=True):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+            targets = torch.tensor(labels[1:])
+            keep = targets != IGNORE
+            correct += int((logits[keep].argmax(-1) == targets[keep]).sum())
+            loss_sum += float(torch.nn.functional.cross_entropy(logits[keep], targets[keep],
+                                                                reduction="sum"))
+            count += int(keep.sum())
+    assert after["label_tokens"] == count
+    assert after["token_accuracy"] == pytest.approx(correct / count)
+    assert correct > 0, "the tiny run should have learnt some tokens; the check would be empty"
+    assert after["loss"] == pytest.approx(loss_sum / count, rel=1e-4)
+
+    # Batching does not change the figures (OUTPUT/ itself resolves to OUTPUT/adapter).
+    other = evaluate_file(_session(trained["base"], trained["out"], trained["val"], batch_size=2))
+    assert other["loss"] == pytest.approx(after["loss"], rel=1e-4)
+    assert math.isclose(other["token_accuracy"], after["token_accuracy"])
+
+
+def test_eval_takes_unset_settings_from_the_adapters_run(trained: dict,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    # No --format/--max-length/--batch-size/--dtype: the run's config.yaml supplies them
+    # (max_length 64 and float32 here, not the schema defaults 512 and auto).
+    assert main(["eval", "--base", str(trained["base"]), "--adapter", str(trained["out"] / "adapter"),
+                 "--data", str(trained["val"])]) == 0
+    captured = capsys.readouterr()
+    assert "data.max_length=64" in captured.err and "model.dtype=float32" in captured.err
+    loss = float(re.search(r"^loss (\S+)", captured.out, re.M).group(1))  # type: ignore[union-attr]
+    assert loss == pytest.approx(trained["summary"]["val_loss_after"], abs=1e-4)
+    assert "token accuracy" in captured.out and "perplexity" in captured.out
+
+
+def test_generation_prompt_is_the_training_prompt(tokenizer_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    question, answer = CHAT_ROWS[0]
+    for system in (None, "Answer briefly."):
+        split, _ = tokenize_records(_chat_rows([(question, answer)]), tokenizer,
+                                    DataConfig(system_prompt=system), "mem.jsonl")
+        expected, _ = sample_prompts(split, 1)[0]
+        assert prompt_ids(tokenizer, question, system) == expected
+    text = tokenizer.decode(prompt_ids(tokenizer, question, "Answer briefly."))
+    assert "Answer briefly." in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_user_errors_are_one_line_and_name_the_culprit(
+        trained: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    base, val = str(trained["base"]), str(trained["val"])
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(trained["out"] / "adapter" / "adapter_config.json", pickled)
+    (pickled / "adapter_model.bin").write_bytes(b"not loaded")
+    cases = [
+        (["eval", "--base", base, "--adapter", str(tmp_path / "missing"), "--data", val],
+         str(tmp_path / "missing")),
+        (["generate", "--base", base, "--adapter", str(tmp_path), "hi"], "adapter_config.json"),
+        (["eval", "--base", str(tmp_path / "nomodel"), "--data", val], "--base"),
+        (["eval", "--base", str(tmp_path), "--data", val], "config.json"),
+        (["eval", "--base", base, "--data", str(tmp_path / "nodata.jsonl")], "nodata.jsonl"),
+        (["eval", "--base", base, "--data", val, "--batch-size", "0"], "--batch-size"),
+        (["eval", "--base", base, "--adapter", str(pickled), "--data", val],
+         "adapter_model.safetensors"),
+        (["merge", "--base", base, "--adapter", str(tmp_path / "missing"),
+          "--out", str(tmp_path / "m")], "missing"),
+    ]
+    for argv, needle in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err, err
+        assert needle in err, (needle, err)
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow
+def test_generate_answers_with_smollm2_and_a_zero_adapter_changes_nothing(
+        smol_dir: Path, tmp_path: Path) -> None:
+    from cpudist.model.adapters import apply_adapter
+
+    question = "What is the capital of France?"
+    plain = run([*cpudist_cmd(), "generate", "--base", smol_dir, "--max-new-tokens", "24",
+                 "--dtype", "float32", question])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    answer = plain.stdout.strip()
+    assert answer and "Paris" in answer, answer
+
+    # A freshly initialised LoRA adapter (B = 0) is the identity: same greedy answer.
+    base = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
+    apply_adapter(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(
+        tmp_path / "adapter")
+    with_adapter = run([*cpudist_cmd(), "generate", "--base", smol_dir, "--adapter",
+                        tmp_path / "adapter", "--max-new-tokens", "24", "--dtype", "float32",
+                        "--system", "You are a helpful AI assistant named SmolLM, trained by "
+                        "Hugging Face", question])
+    assert with_adapter.returncode == 0, with_adapter.stderr[-3000:]
+    assert with_adapter.stdout.strip() == answer
+
+    # What streamed to stdout is the whole answer.
+    session = _session(smol_dir)
+    assert generate(session, prompt_ids(session.tokenizer, question, None), 24) == answer

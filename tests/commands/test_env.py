@@ -1,0 +1,31 @@
+"""`cpudist env` on this machine, and `cpudist env --shell` (a rank's environment)."""
+
+from __future__ import annotations
+
+from cpudist.runtime.precision import choose_precision
+from tests.helpers import cpudist_cmd, run
+
+
+def test_env_command_reports_machine() -> None:
+    result = run([*cpudist_cmd(), "env"], timeout=120)
+    assert result.returncode == 0, result.stderr
+    keys = [line.split("  ")[0] for line in result.stdout.splitlines()]
+    for key in ("cpu", "isa", "dtype (auto)", "threads per rank", "torch", "transformers", "peft",
+                "mpi library", "oneccl bindings", "ipex"):
+        assert key in keys, key
+    expected = choose_precision("auto").describe()
+    assert any(line.startswith("dtype (auto)") and expected in line for line in result.stdout.splitlines())
+    from cpudist.runtime.allocator import choose_allocator
+
+    malloc = next(line for line in result.stdout.splitlines() if line.startswith("malloc"))
+    assert (choose_allocator("auto")[0] or "glibc malloc") in malloc and "CPUDIST_ALLOCATOR=auto" in malloc
+
+
+def test_env_shell_prints_a_bound_ranks_environment() -> None:
+    result = run([*cpudist_cmd(), "env", "--shell", "--threads-per-rank", "3", "--allocator",
+                  "none"], timeout=60)
+    assert result.returncode == 0, result.stderr
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in result.stdout.splitlines())
+    assert exports["OMP_NUM_THREADS"] == exports["MKL_NUM_THREADS"] == "3"
+    assert exports["CPUDIST_ALLOCATOR"] == "none" and "LD_PRELOAD" not in exports
+    assert "KMP_AFFINITY" in exports  # bound to its own cores

@@ -1,0 +1,95 @@
+"""Tokenizing: each format, prompt masking exactly where expected, truncation counted, the cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from cpudist.config import DataConfig
+from cpudist.data.tokenize import IGNORE, build_datasets, tokenize_records
+from tests.helpers import write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path):  # noqa: ANN201
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def _text(tokenizer, ids: list[int]) -> str:  # noqa: ANN001
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_chat_masks_everything_but_the_answer(tokenizer) -> None:  # noqa: ANN001
+    rows = [{"messages": [{"role": "user", "content": "Hi there?"},
+                          {"role": "assistant", "content": "Hello, friend."}]}]
+    split, stats = tokenize_records(rows, tokenizer, DataConfig(format="chat"), "mem.jsonl")
+    ids, labels = split.input_ids[0], split.labels[0]
+    full = tokenizer.apply_chat_template(rows[0]["messages"], tokenize=False)
+    assert _text(tokenizer, ids) == full
+    answer = [t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE]
+    assert _text(tokenizer, answer) == "Hello, friend.<|im_end|>\n"
+    first = labels.index(next(lab for lab in labels if lab != IGNORE))
+    # Every label is either masked or equal to its input token; masked ones form the prompt prefix.
+    assert all(lab in (IGNORE, tok) for tok, lab in zip(ids, labels, strict=True))
+    assert all(lab == IGNORE for lab in labels[:first])
+    assert _text(tokenizer, ids[:first]).endswith("<|im_start|>assistant\n")
+    assert stats.truncated == 0
+
+
+def test_multi_turn_chat_and_sharegpt_agree(tokenizer) -> None:  # noqa: ANN001
+    messages = [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "One."},
+                {"role": "user", "content": "B?"}, {"role": "assistant", "content": "Two."}]
+    sharegpt = {"conversations": [{"from": "human" if m["role"] == "user" else "gpt",
+                                   "value": m["content"]} for m in messages]}
+    a, _ = tokenize_records([{"messages": messages}], tokenizer, DataConfig(), "x.jsonl")
+    b, _ = tokenize_records([sharegpt], tokenizer, DataConfig(), "x.jsonl")
+    assert a.input_ids == b.input_ids and a.labels == b.labels
+    answer = [t for t, lab in zip(a.input_ids[0], a.labels[0], strict=True) if lab != IGNORE]
+    assert _text(tokenizer, answer) == "One.<|im_end|>\nTwo.<|im_end|>\n"
+
+
+def test_alpaca_uses_input_and_masks_prompt(tokenizer) -> None:  # noqa: ANN001
+    rows = [{"instruction": "Translate", "input": "chat", "output": "cat"}]
+    split, _ = tokenize_records(rows, tokenizer, DataConfig(format="alpaca"), "x.jsonl")
+    text = _text(tokenizer, split.input_ids[0])
+    assert "Translate\n\nchat" in text
+    answer = [t for t, lab in zip(split.input_ids[0], split.labels[0], strict=True) if lab != IGNORE]
+    assert _text(tokenizer, answer) == "cat<|im_end|>\n"
+
+
+def test_text_format_every_token_is_a_label(tokenizer) -> None:  # noqa: ANN001
+    split, _ = tokenize_records([{"text": "plain words here"}], tokenizer, DataConfig(format="text"),
+                                "x.jsonl")
+    assert split.labels[0] == split.input_ids[0]
+    assert split.input_ids[0][-1] == tokenizer.eos_token_id
+
+
+def test_truncation_is_counted_and_empty_answers_dropped(tokenizer) -> None:  # noqa: ANN001
+    long_answer = "word " * 200
+    rows = [{"messages": [{"role": "user", "content": "short?"},
+                          {"role": "assistant", "content": long_answer}]},
+            {"messages": [{"role": "user", "content": "q " * 300},
+                          {"role": "assistant", "content": "a"}]},
+            {"messages": [{"role": "user", "content": "ok?"},
+                          {"role": "assistant", "content": "yes"}]}]
+    split, stats = tokenize_records(rows, tokenizer, DataConfig(max_length=64), "x.jsonl")
+    assert stats.truncated == 2
+    assert stats.dropped_no_labels == 1  # the prompt alone filled max_length
+    assert len(split) == 2 and all(len(ids) <= 64 for ids in split.input_ids)
+
+
+def test_build_caches_tokens_and_holds_out_validation(tokenizer, tmp_path: Path) -> None:  # noqa: ANN001
+    rows = [{"text": f"sample number {i}"} for i in range(40)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    config = DataConfig(path=str(data), format="text", val_fraction=0.25,
+                        cache_dir=str(tmp_path / "cache"))
+    train, val, stats = build_datasets(config, tokenizer, seed=3)
+    assert (len(train), len(val)) == (30, 10)
+    (cached,) = [p for p in (tmp_path / "cache").glob("d-*") if p.is_dir()]
+    stamp = (cached / "stats.json").stat().st_mtime_ns
+    train2, val2, _ = build_datasets(config, tokenizer, seed=3)
+    assert (cached / "stats.json").stat().st_mtime_ns == stamp  # read from cache, not re-tokenized
+    assert train2.input_ids == train.input_ids and val2.input_ids == val.input_ids
+    assert not set(map(tuple, train.input_ids)) & set(map(tuple, val.input_ids))

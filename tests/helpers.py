@@ -1,0 +1,205 @@
+"""Helpers the tests share: paths, tiny models and data files, running the real CLI and mpirun,
+reading a run's metrics, and the model/loss helpers of the equality tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+if TYPE_CHECKING:
+    from cpudist.data.batches import Batch
+    from cpudist.data.tokenize import TokenizedSplit
+
+REPO = Path(__file__).resolve().parents[1]
+# Shared with the quickstart so the one-time GGUF conversion is reused.
+MODEL_CACHE = REPO / ".cache" / "models"
+SCRIPTS = REPO / "tests" / "scripts"
+
+CHAT_ROWS = [
+    ("What is the capital of France?", "Paris is the capital of France."),
+    ("What colour is the sky?", "The sky is blue on a clear day."),
+    ("How many legs does a spider have?", "A spider has eight legs."),
+    ("What is two plus two?", "Two plus two is four."),
+    ("Who wrote Hamlet?", "William Shakespeare wrote Hamlet."),
+    ("What is water made of?", "Water is made of hydrogen and oxygen."),
+    ("What do bees make?", "Bees make honey."),
+    ("Which planet is red?", "Mars is called the red planet."),
+]
+
+
+def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path) -> Path:
+    """A random-weight causal LM of a real architecture, saved with a real tokenizer."""
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    model.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    return path
+
+
+def tiny_overrides(model_dir: Path, data_file: Path, out: Path, **extra: object) -> list[str]:
+    """section.key=value overrides for a seconds-long run of a tiny model on a small file."""
+    settings: dict[str, object] = {
+        "model.path": model_dir, "model.dtype": "float32", "data.path": data_file,
+        "data.format": "chat", "data.val_fraction": 0.25, "data.max_length": 64,
+        "data.cache_dir": out.parent / "data-cache", "train.max_steps": 4,
+        "train.batch_size": 4, "train.lr": 5e-3, "train.sample_prompts": 0,
+        "train.eval_batches": 2, "lora.dropout": 0.0, "output.dir": out, "output.plots": False,
+    }
+    settings.update({key.replace("__", "."): value for key, value in extra.items()})
+    return [f"{key}={value}" for key, value in settings.items()]
+
+
+def cpudist_cmd() -> list[str]:
+    return [sys.executable, "-m", "cpudist.cli"]
+
+
+def venv_mpirun() -> str | None:
+    """The mpirun cpudist launch would use (the venv's own first), or None."""
+    from cpudist.errors import UserError
+    from cpudist.launch.mpi import find_mpirun
+
+    try:
+        return find_mpirun()
+    except UserError:
+        return None
+
+
+def mpirun_cmd(np: int) -> list[str]:
+    """Real mpirun from the venv (Open MPI wheel of the [mpi] extra)."""
+    mpirun = venv_mpirun()
+    if mpirun is None:
+        pytest.skip("mpirun not installed (pip install 'cpudist[mpi]')")
+    cmd = [mpirun, "-np", str(np), "--oversubscribe"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    return cmd
+
+
+def run(cmd: list, timeout: float = 600, **kwargs: object) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}  # type: ignore[dict-item]
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=REPO, **kwargs)  # type: ignore[call-overload]
+
+
+# --------------------------------------------------------------------------- a run's metrics
+
+
+def metric_records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_losses(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in metric_records(out) if "loss" in r]
+
+
+def start_and_signal(cmd: list, out: Path, sig: int, after_steps: int = 2,
+                     target: Callable[[subprocess.Popen], int] | None = None
+                     ) -> subprocess.CompletedProcess:
+    """Start cmd, send sig once `after_steps` steps are in metrics.jsonl, and wait for the run to
+    exit by itself. The signal goes to the started process, or to the pid target(process) picks."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while len(step_losses(out)) < after_steps:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.02)
+        if target is None:
+            proc.send_signal(sig)
+        else:
+            os.kill(target(proc), sig)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def stopped_step(output: str) -> int:
+    for line in output.splitlines():
+        if "stopped by signal" in line:
+            return int(line.split(" after step ")[1].split(";")[0])
+    raise AssertionError(f"no 'stopped by signal' message in:\n{output[-3000:]}")
+
+
+# --------------------------------------------------------------------------- equality tests
+
+
+def lora_model(path: Path, cache: Path, dtype: str = "float32", share: bool = False,
+               **model_settings: object) -> torch.nn.Module:
+    """A peft model as training builds it, with random LoRA B so both LoRA matrices get gradient."""
+    from cpudist.config import LoraConfig, ModelConfig
+    from cpudist.model.load import build_model
+    from cpudist.runtime.precision import choose_precision
+
+    torch.manual_seed(0)
+    model, _, _ = build_model(
+        ModelConfig(path=str(path), dtype=dtype, share_frozen_weights=share, cache_dir=str(cache),
+                    **model_settings),
+        LoraConfig(r=4, alpha=8, dropout=0.0), choose_precision(dtype))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    return model
+
+
+def random_split(lengths: list[int], vocab: int, prompt: int = 3) -> TokenizedSplit:
+    """Samples of random tokens of these lengths; the first `prompt` positions carry no loss."""
+    from cpudist.data.tokenize import IGNORE, TokenizedSplit
+
+    generator = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+    labels = [[IGNORE] * prompt + row[prompt:] for row in ids]
+    return TokenizedSplit(ids, labels)
+
+
+def grad_atol(reference: torch.Tensor) -> float:
+    # fp32 sums in a different order: differences scale with the gradient's own size.
+    return 1e-4 * float(reference.abs().max())
+
+
+def loss_and_grads(module: torch.nn.Module, batch: Batch) -> tuple[float, int, dict[str, torch.Tensor]]:
+    """(loss sum, label tokens, gradient of every trainable parameter) of one forward/backward."""
+    from cpudist.model.adapters import trainable_parameters
+
+    module.zero_grad(set_to_none=True)
+    total, count = module(**batch.as_kwargs())
+    total.backward()
+    grads = {name: p.grad.clone() for name, p in trainable_parameters(module)}
+    return float(total.detach()), int(count), grads

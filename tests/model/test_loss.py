@@ -1,0 +1,107 @@
+"""The label-only chunked loss head computes what the full-logits path does, in fp32 and bf16, on
+padded and on packed rows; activation checkpointing is on from the first step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpudist.data.batches import collate, pack
+from cpudist.data.tokenize import TokenizedSplit
+from cpudist.model.loss import CausalLMLoss, packed_attention_mask
+from tests.helpers import grad_atol, lora_model, loss_and_grads, random_split
+
+
+@pytest.mark.parametrize("kind", ["tiny_qwen", "tiny_llama"])
+def test_chunked_label_only_loss_equals_full_logits(kind: str, request: pytest.FixtureRequest,
+                                                     tmp_path: Path) -> None:
+    model = lora_model(request.getfixturevalue(kind), tmp_path)
+    batch = collate(random_split([17, 9, 23], model.config.vocab_size), [0, 1, 2], pad_id=0)
+    full = loss_and_grads(CausalLMLoss(model, chunk_size=0), batch)
+    chunked = loss_and_grads(CausalLMLoss(model, chunk_size=5), batch)
+    assert full[1] == chunked[1] == batch.label_tokens == (14 + 6 + 20)
+    assert chunked[0] == pytest.approx(full[0], rel=1e-5)
+    assert full[2].keys() == chunked[2].keys() and len(full[2]) > 0
+    for name, grad in full[2].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(chunked[2][name], grad, rtol=1e-4, atol=grad_atol(grad), msg=name)
+
+
+def test_chunked_loss_in_bf16_matches_the_full_logits_path(tiny_qwen: Path, tmp_path: Path) -> None:
+    # bf16 weights under autocast (the path taken on AVX512-BF16/AMX CPUs): both paths round the
+    # logits to bf16 and the logit gradient to bf16 before the head's matmul, in other orders.
+    model = lora_model(tiny_qwen, tmp_path, dtype="bfloat16")
+    batch = collate(random_split([17, 9, 23], model.config.vocab_size), [0, 1, 2], pad_id=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full = loss_and_grads(CausalLMLoss(model, chunk_size=0), batch)
+        chunked = loss_and_grads(CausalLMLoss(model, chunk_size=5), batch)
+    assert chunked[0] == pytest.approx(full[0], rel=1e-3)
+    for name, grad in full[2].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(chunked[2][name], grad, rtol=2e-2, atol=2e-2 * float(grad.abs().max()),
+                                   msg=name)
+
+
+def test_packed_rows_equal_separate_samples(tiny_qwen: Path, tmp_path: Path) -> None:
+    model = lora_model(tiny_qwen, tmp_path)
+    data = random_split([12, 7, 20, 5], model.config.vocab_size)
+    packed = pack(data, [0, 1, 2, 3], pad_id=0, max_length=32)
+    plain = collate(data, [0, 1, 2, 3], pad_id=0)
+    assert packed.input_ids.shape[0] < 4  # several samples share a row
+    assert packed.tokens == plain.tokens == 44
+    assert packed.label_tokens == plain.label_tokens
+
+    # Hidden states of each packed segment equal that sample run on its own.
+    module = CausalLMLoss(model, chunk_size=0)
+    with torch.no_grad():
+        hidden = module.decoder(input_ids=packed.input_ids,
+                                attention_mask=packed_attention_mask(packed.attention_mask,
+                                                                     torch.float32),
+                                position_ids=packed.position_ids).last_hidden_state
+        for index, ids in enumerate(data.input_ids):
+            alone = module.decoder(input_ids=torch.tensor([ids])).last_hidden_state[0]
+            row, start = _segment_of(packed, index, data)
+            torch.testing.assert_close(hidden[row, start:start + len(ids)], alone, rtol=1e-4,
+                                       atol=1e-5)
+
+    # Same training loss and gradients, with the chunked and the full-logits head.
+    for chunk in (0, 4):
+        separate = loss_and_grads(CausalLMLoss(model, chunk), plain)
+        together = loss_and_grads(CausalLMLoss(model, chunk), packed)
+        assert together[1] == separate[1]
+        assert together[0] == pytest.approx(separate[0], rel=1e-5)
+        for name, grad in separate[2].items():
+            torch.testing.assert_close(together[2][name], grad, rtol=1e-4, atol=grad_atol(grad), msg=name)
+
+
+def _segment_of(batch, index: int, data: TokenizedSplit) -> tuple[int, int]:
+    """(row, start column) of sample `index` in a packed batch (samples packed in order)."""
+    ids = torch.tensor(data.input_ids[index])
+    for row in range(batch.input_ids.shape[0]):
+        for start in range(batch.input_ids.shape[1] - len(ids) + 1):
+            if (batch.position_ids[row, start] == 0
+                    and torch.equal(batch.input_ids[row, start:start + len(ids)], ids)):
+                return row, start
+    raise AssertionError(f"sample {index} not in the packed batch")
+
+
+def test_activation_checkpointing_is_active_from_the_first_step(tiny_qwen: Path,
+                                                                 tmp_path: Path) -> None:
+    """The decoder layers only checkpoint in training mode; build_model must leave them there."""
+    def saved_bytes(checkpointing: bool) -> int:
+        model = lora_model(tiny_qwen, tmp_path, gradient_checkpointing=checkpointing)
+        batch = collate(random_split([40, 40], model.config.vocab_size), [0, 1], pad_id=0)
+        total = 0
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            total += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            CausalLMLoss(model, 16)(**batch.as_kwargs())  # chunked: only layer activations
+        return total
+
+    assert saved_bytes(True) < 0.5 * saved_bytes(False)

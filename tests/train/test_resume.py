@@ -1,0 +1,104 @@
+"""Exact resume: a run stopped by a signal and continued with train.resume=auto gives the same
+per-step losses, bit for bit, as a run that was never interrupted (fp32, same machine)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    cpudist_cmd,
+    metric_records,
+    mpirun_cmd,
+    run,
+    start_and_signal,
+    step_losses,
+    stopped_step,
+    tiny_overrides,
+)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10  # 24 training samples / global batch 4 = 6 steps per epoch: the run crosses an epoch
+
+
+def assert_same_run(reference: Path, resumed: Path, stopped_at: int) -> None:
+    expected, got = step_losses(reference), step_losses(resumed)
+    assert [s for s, _ in got] == list(range(1, STEPS + 1)), "every step exactly once, in order"
+    assert 0 < stopped_at < STEPS
+    assert got == expected  # bitwise: same floats, not approximately
+    records = metric_records(resumed)
+    assert [r["lr"] for r in records if "lr" in r] == [r["lr"] for r in metric_records(reference)
+                                                       if "lr" in r]
+    assert sum(1 for r in records if "val_loss" in r) == 1  # final evaluation, not duplicated
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+
+
+def test_single_process_resume_is_exact(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
+    settings = {"train__max_steps": STEPS, "lora__dropout": 0.1}  # dropout: the RNG must resume too
+    reference = tmp_path / "reference"
+    done = run([*cpudist_cmd(), "train", *tiny_overrides(tiny_llama, chat_file, reference, **settings)])
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out = tmp_path / "interrupted"
+    cmd = [*cpudist_cmd(), "train", *tiny_overrides(tiny_llama, chat_file, out, **settings)]
+    stopped = start_and_signal(cmd, out, signal.SIGTERM)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    at = stopped_step(stopped.stdout)
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step-{at}"]
+    # Nothing a loader would have to unpickle: tensors in safetensors, the rest JSON/YAML/text.
+    files = [p for p in (out / "checkpoints").rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} <= {".safetensors", ".json", ".yaml", ".md"}, files
+    assert "Resume with the same launch command" in stopped.stdout
+    assert "cpudist train " in stopped.stdout and "train.resume=auto" in stopped.stdout
+
+    resumed = run([*cmd, "train.resume=auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / f'step-{at}'} at step {at}" in resumed.stdout
+    assert_same_run(reference, out, at)
+
+
+@pytest.mark.mpi
+def test_two_rank_resume_is_exact(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
+    """Stopped by SIGUSR1 to mpirun (forwarded to every rank); every rank's RNG and shard resume."""
+    settings = {"train__max_steps": STEPS, "train__batch_size": 2, "lora__dropout": 0.1}
+    reference = tmp_path / "reference"
+    done = run([*mpirun_cmd(2), *cpudist_cmd(), "train",
+                *tiny_overrides(tiny_llama, chat_file, reference, **settings)])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    out = tmp_path / "interrupted"
+    cmd = [*mpirun_cmd(2), *cpudist_cmd(), "train",
+           *tiny_overrides(tiny_llama, chat_file, out, **settings)]
+    stopped = start_and_signal(cmd, out, signal.SIGUSR1)
+    assert stopped.returncode == 0, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    at = stopped_step(stopped.stdout)
+
+    resumed = run([*cmd, "train.resume=auto"])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert_same_run(reference, out, at)
+
+
+@pytest.mark.mpi
+def test_resume_with_another_world_size_is_refused(tiny_llama: Path, chat_file: Path,
+                                                   tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    overrides = tiny_overrides(tiny_llama, chat_file, out, train__max_steps=2, train__batch_size=2)
+    first = run([*cpudist_cmd(), "train", *overrides])
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run([*mpirun_cmd(2), *cpudist_cmd(), "train", *overrides, "train.resume=auto",
+                 "train.max_steps=4"])
+    assert again.returncode != 0
+    errors = [line for line in again.stderr.splitlines() if "error:" in line]
+    assert errors, again.stderr[-3000:]
+    assert "written by 1 rank" in errors[0] and "this run has 2" in errors[0]
+    assert "-np 1" in errors[0]
+    assert "Traceback" not in again.stderr
+    # The checkpoint is untouched and still resumes with one rank.
+    resumed = run([*cpudist_cmd(), "train", *overrides, "train.resume=auto", "train.max_steps=4"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [s for s, _ in step_losses(out)] == [1, 2, 3, 4]
