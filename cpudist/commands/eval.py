@@ -36,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from cpudist.config import Config, DataConfig, DistConfig, ModelConfig, TrainConfig
     from cpudist.runtime.process import start_process
-    from cpudist.train.engine import open_session
     from cpudist.train.evaluate import evaluate_file
+    from cpudist.train.session import open_session
 
     fill_from_run(args, ["format", "max_length", "batch_size", "system", "dtype"])
     for flag, value, least in (("--max-length", args.max_length, 2),

@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from cpudist.config import Config, DistConfig, ModelConfig
     from cpudist.runtime.process import start_process
-    from cpudist.train.engine import open_session
     from cpudist.train.generate import generate, prompt_ids
+    from cpudist.train.session import open_session
 
     fill_from_run(args, ["system", "dtype"])
     if args.max_new_tokens <= 0:

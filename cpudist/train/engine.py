@@ -1,9 +1,9 @@
-"""The engine: the one setup of a model in a rank, and the one training step.
+"""The engine: the one setup of a training rank, and the one training step.
 
-`open_session` loads a model for eval and generate (base + saved adapter); `build_engine` loads one
-for training (base + fresh adapter, data, optimizer, schedule, DDP) and `Engine.step` takes one
-optimizer step. `cpudist train` loops over that step, `cpudist bench` times it: there is no other
-copy of the setup or of the step.
+`build_engine` loads a model for training (base + fresh adapter, data, optimizer, schedule, DDP)
+and `Engine.step` takes one optimizer step. `cpudist train` loops over that step, `cpudist bench`
+times it: there is no other copy of the setup or of the step. (Eval and generate load their model
+with cpudist.train.session.open_session, after the same process setup.)
 
 One optimizer step: this rank's micro-batches -> forward (loss only at label positions) ->
 backward under no_sync except the last micro-step -> DDP allreduce of the adapter's gradients ->
@@ -28,48 +28,16 @@ from torch import nn
 from cpudist.config import Config
 from cpudist.data.batches import Batch, GlobalBatches, make_batch
 from cpudist.data.tokenize import TokenizedSplit
-from cpudist.model.adapters import resolve_adapter, trainable_parameters
-from cpudist.model.load import build_model, load_for_inference
+from cpudist.model.adapters import trainable_parameters
+from cpudist.model.load import build_model
 from cpudist.model.loss import CausalLMLoss
 from cpudist.runtime.comm import agreed, allreduce, mpi_allreduce_hook
-from cpudist.runtime.precision import Precision, choose_precision
+from cpudist.runtime.precision import choose_precision
 from cpudist.runtime.process import Process
-from cpudist.train.evaluate import evaluate
+from cpudist.train.evaluate import evaluate_session
+from cpudist.train.session import Session
 
 log = logging.getLogger("cpudist")
-
-
-@dataclass
-class Session:
-    """A model loaded in this rank: what eval and generate run, and what the engine trains."""
-
-    config: Config
-    process: Process
-    precision: Precision
-    model: nn.Module  # the peft model (base + adapter)
-    tokenizer: Any
-    model_dir: Path
-    loss: CausalLMLoss  # the model wrapped to return (sum of token losses, label tokens)
-
-    @property
-    def pad_id(self) -> int:
-        return int(self.tokenizer.pad_token_id)
-
-    def evaluate(self, data: TokenizedSplit, limit: int | None = None,
-                 loss: nn.Module | None = None) -> dict[str, float]:
-        """Mean loss and perplexity over every label token of data (all ranks)."""
-        return evaluate(loss or self.loss, data, self.config.train.batch_size, self.pad_id,
-                        self.precision, self.process.placement, limit)
-
-
-def open_session(config: Config, process: Process, adapter: str | None = None,
-                 flag: str = "--base") -> Session:
-    """Base model (+ the saved adapter at `adapter`) for evaluation and generation, in eval mode."""
-    adapter_dir = resolve_adapter(adapter) if adapter else None  # fail before the slow load
-    precision = choose_precision(config.model.dtype)
-    model, tokenizer, model_dir = load_for_inference(config.model, adapter_dir, precision, flag)
-    return Session(config, process, precision, model, tokenizer, model_dir,
-                   CausalLMLoss(model, config.train.loss_chunk_size))
 
 
 @dataclass
@@ -201,7 +169,7 @@ class Engine:
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss and perplexity (all ranks)."""
-        return self.session.evaluate(self.data.val, self.config.train.eval_batches)
+        return evaluate_session(self.session, self.data.val, self.config.train.eval_batches)
 
 
 def wrap_ddp(module: nn.Module, config: Config) -> nn.Module:

@@ -4,7 +4,7 @@ the two give the same number for the same file), with token accuracy."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,9 +15,7 @@ from cpudist.model.loss import label_positions
 from cpudist.runtime.cluster import Placement
 from cpudist.runtime.comm import allreduce
 from cpudist.runtime.precision import Precision
-
-if TYPE_CHECKING:
-    from cpudist.train.engine import Session
+from cpudist.train.session import Session
 
 
 @torch.no_grad()
@@ -41,6 +39,13 @@ def evaluate(loss_module: nn.Module, data: TokenizedSplit, batch_size: int, pad_
         return {}
     loss = total / count
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+
+
+def evaluate_session(session: Session, data: TokenizedSplit, limit: int | None = None,
+                     loss: nn.Module | None = None) -> dict[str, float]:
+    """evaluate() with the session's loss module (or `loss`), batch size, precision and rank."""
+    return evaluate(loss or session.loss, data, session.config.train.batch_size, session.pad_id,
+                    session.precision, session.process.placement, limit)
 
 
 class TokenAccuracy(nn.Module):
@@ -89,7 +94,7 @@ def evaluate_file(session: Session, limit: int | None = None) -> dict[str, Any]:
         raise UserError(str(exc).replace("(data.path)", "(--data)")) from exc
     data, stats = load_tokenized(path, session.tokenizer, data_config)
     scorer = TokenAccuracy(session.loss)
-    result = session.evaluate(data, limit, loss=scorer)
+    result = evaluate_session(session, data, limit, loss=scorer)
     if not result:
         raise UserError(f"--data {data_config.path}: no label tokens to evaluate")
     return {

@@ -3,15 +3,13 @@ training. Prompts are rendered exactly as training renders a user turn."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from cpudist.data.formats import to_sample
 from cpudist.data.tokenize import IGNORE, TokenizedSplit, tokenize_conversation
-
-if TYPE_CHECKING:
-    from cpudist.train.engine import Session
+from cpudist.train.session import Session
 
 
 def prompt_ids(tokenizer: Any, prompt: str, system: str | None) -> list[int]:

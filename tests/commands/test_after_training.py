@@ -17,9 +17,9 @@ from cpudist.cli import main
 from cpudist.config import Config, DataConfig, DistConfig, LoraConfig, ModelConfig, TrainConfig, load_config
 from cpudist.data.tokenize import IGNORE, load_tokenized, tokenize_records
 from cpudist.runtime.process import start_process
-from cpudist.train.engine import Session, open_session
 from cpudist.train.evaluate import evaluate_file
 from cpudist.train.generate import generate, prompt_ids, sample_prompts
+from cpudist.train.session import Session, open_session
 from tests.helpers import CHAT_ROWS, cpudist_cmd, run, tiny_overrides, write_jsonl
 
 STEPS = 16

@@ -16,7 +16,7 @@ from cpudist.errors import UserError
 from cpudist.launch import hostfile as hf
 from cpudist.launch import mpi as launcher
 from cpudist.launch.mpi import MpiInfo, build_command
-from tests.helpers import REPO
+from tests.helpers import REPO, venv_mpirun
 
 OMPI = MpiInfo("openmpi", "/opt/mpi/bin/mpirun", "mpirun (Open MPI) 5.0.11")
 MPICH = MpiInfo("mpich", "/opt/mpich/bin/mpiexec", "HYDRA build details:")
@@ -322,11 +322,6 @@ def test_slurm_sbatch_dry_run() -> None:
 
 
 # --------------------------------------------------------------------------- real Open MPI
-
-
-def venv_mpirun() -> str | None:
-    beside = Path(sys.executable).parent / "mpirun"
-    return str(beside) if beside.exists() else shutil.which("mpirun")
 
 
 @pytest.mark.mpi

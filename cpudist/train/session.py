@@ -1,0 +1,44 @@
+"""A model loaded in a rank, with what runs it: what eval and generate use, and what the engine
+(cpudist.train.engine) trains."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from cpudist.config import Config
+from cpudist.model.adapters import resolve_adapter
+from cpudist.model.load import load_for_inference
+from cpudist.model.loss import CausalLMLoss
+from cpudist.runtime.precision import Precision, choose_precision
+from cpudist.runtime.process import Process
+
+
+@dataclass
+class Session:
+    """A model loaded in this rank: what eval and generate run, and what the engine trains."""
+
+    config: Config
+    process: Process
+    precision: Precision
+    model: nn.Module  # the peft model (base + adapter)
+    tokenizer: Any
+    model_dir: Path
+    loss: CausalLMLoss  # the model wrapped to return (sum of token losses, label tokens)
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+
+def open_session(config: Config, process: Process, adapter: str | None = None,
+                 flag: str = "--base") -> Session:
+    """Base model (+ the saved adapter at `adapter`) for evaluation and generation, in eval mode."""
+    adapter_dir = resolve_adapter(adapter) if adapter else None  # fail before the slow load
+    precision = choose_precision(config.model.dtype)
+    model, tokenizer, model_dir = load_for_inference(config.model, adapter_dir, precision, flag)
+    return Session(config, process, precision, model, tokenizer, model_dir,
+                   CausalLMLoss(model, config.train.loss_chunk_size))
