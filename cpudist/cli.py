@@ -18,6 +18,7 @@ from cpudist.errors import UserError
 # Command -> (module defining HELP, DESCRIPTION, add_arguments(parser) and run(args)), in --help order.
 COMMANDS = {
     "train": "cpudist.commands.train",
+    "plan": "cpudist.commands.plan",
     "env": "cpudist.commands.env",
     "launch": "cpudist.commands.launch",
     "hostfile": "cpudist.commands.hostfile",

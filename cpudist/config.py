@@ -31,6 +31,11 @@ class ModelConfig(_Section):
     # Map frozen base weights read-only from one safetensors file shared by all ranks of a node.
     share_frozen_weights: bool = True
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    # Frozen decoder linear weights stored quantized (QLoRA), mapped from a per-node cache under
+    # cache_dir: none | int8 (a scale per row) | int4 (a scale per quantize_group input columns).
+    # The names are those of cpudist.model.quantize.METHODS.
+    quantize: Literal["none", "int8", "int4"] = "none"
+    quantize_group: int = Field(64, gt=0)
     cache_dir: str = ".cache/models"
 
 
@@ -104,6 +109,9 @@ class TrainConfig(_Section):
     loss_chunk_size: int = Field(256, ge=0)
     compile: bool = False
     ipex: bool = False
+    # Before loading, refuse a run whose predicted memory exceeds the node's (`cpudist plan`);
+    # false runs anyway (e.g. when swap or a better estimate says it fits).
+    check_memory: bool = True
     # Questions answered before and after training to show what changed.
     sample_prompts: int = Field(1, ge=0)
     max_new_tokens: int = Field(48, gt=0)

@@ -43,8 +43,13 @@ def flop_model(peft_model: nn.Module) -> FlopModel:
     base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
     config = base.config
     head = base.get_output_embeddings()
+    from cpudist.model.quantize import QuantizedLinear
+
     n_frozen = n_lora = 0
     for name, module in base.named_modules():
+        if isinstance(module, QuantizedLinear):  # frozen, stored quantized, computed in full
+            n_frozen += module.in_features * module.out_features
+            continue
         if not isinstance(module, nn.Linear) or module is head:
             continue
         if ".lora_" in name:

@@ -63,6 +63,24 @@ class PadCollator:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def quantization_config(quantize: str, compute: torch.dtype) -> Any:
+    """The peer's own CPU quantization for model.quantize: bitsandbytes through transformers'
+    BitsAndBytesConfig, int8 as LLM.int8() and int4 as QLoRA's NF4 with the compute dtype."""
+    if quantize == "none":
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: the peer of a quantized run is HF + PEFT with bitsandbytes, "
+                         "which is not installed: pip install 'cpudist[peers]'") from None
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                              bnb_4bit_compute_dtype=compute)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,13 +103,23 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    loading = time.perf_counter()
+    quantization = quantization_config(config.model.quantize, precision.compute_dtype)
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=precision.compute_dtype,
-                                                 attn_implementation=config.model.attn_implementation)
+                                                 attn_implementation=config.model.attn_implementation,
+                                                 quantization_config=quantization)
     model.config.use_cache = False
+    if quantization is not None:
+        # As the QLoRA recipes do: norms in fp32, input gradients on, checkpointing as configured.
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=config.model.gradient_checkpointing)
     model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha,
                                              lora_dropout=lora.dropout,
                                              target_modules=lora.target_modules,
                                              task_type="CAUSAL_LM"))
+    load_s = time.perf_counter() - loading
     total_steps = args.warmup + args.steps
     # One epoch of the timed steps; the warm-up steps run on the same set first (as cpudist's bench).
     samples = args.steps * tc.batch_size * tc.grad_accum
@@ -164,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": len(timed), "warmup_steps": args.warmup, "step_s": timed, "data": desc,
         "model_dir": config.model.path, "flop_model": flops.as_dict(),
         "framework": "hf-trainer+peft", "allocator": allocator_in_use(),
-        "host": socket.gethostname(), "config": config.to_dict(),
+        "host": socket.gethostname(), "config": config.to_dict(), "load_s": load_s,
+        "quantization": str(quantization.to_dict() if quantization is not None else None),
     }
     print(json.dumps({k: v for k, v in result.items() if k not in ("config", "step_s")}))
     if args.json:

@@ -15,24 +15,40 @@ BENCH_CACHE = Path(".cache/bench")
 
 @dataclass(frozen=True)
 class Preset:
-    family: str  # qwen2 | llama | builtin
+    model_type: str  # a transformers model type (its config class and causal-LM class), or builtin
     config: dict[str, Any]
+    about: str
 
 
 PRESETS: dict[str, Preset] = {
-    # Exact Qwen2.5-0.5B architecture (random weights).
     "qwen2.5-0.5b": Preset("qwen2", dict(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+        "Qwen/Qwen2.5-0.5B-Instruct's architecture, 494 M parameters"),
+    "qwen2.5-7b": Preset("qwen2", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+        "Qwen/Qwen2.5-7B-Instruct's architecture (q/k/v biases), 7.6 B parameters, 15.2 GB"),
+    "llama-3-8b": Preset("llama", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+        rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        attention_bias=False, mlp_bias=False),
+        "meta-llama/Meta-Llama-3-8B-Instruct's architecture, 8.0 B parameters, 16.1 GB"),
+    "mistral-7b": Preset("mistral", dict(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        sliding_window=None),
+        "mistralai/Mistral-7B-Instruct-v0.3's architecture, 7.2 B parameters, 14.5 GB"),
     # The real quickstart model (pretrained weights of the built-in smollm2-135m-instruct).
-    "smollm2-135m": Preset("builtin", {"name": "smollm2-135m-instruct"}),
-    # Llama-2-7B shape, for memory arithmetic on big nodes (shrink with --layers elsewhere).
-    "llama-7b": Preset("llama", dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "smollm2-135m": Preset("builtin", {"name": "smollm2-135m-instruct"},
+                           "the built-in SmolLM2-135M-Instruct, pretrained weights"),
 }
+SHARD_BYTES = 5 * 1024**3  # as save_pretrained shards by default
+INIT_STD = 0.02  # transformers' initializer_range: keeps random-weight activations finite in bf16
 
 
 def _builtin_tokenizer_dir(cache_dir: str) -> Path:
@@ -57,35 +73,86 @@ def preset_dir(name: str, layers: int | None = None, model_cache: str = ".cache/
 
 
 def _write_preset(preset: Preset, layers: int | None, model_cache: str, target: Path) -> None:
-    import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    from transformers import AutoTokenizer
 
     source = _builtin_tokenizer_dir(model_cache)
     tokenizer = AutoTokenizer.from_pretrained(source)
-    torch.manual_seed(0)
-    if preset.family == "builtin":
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-        if layers is not None and layers < model.config.num_hidden_layers:
-            model.model.layers = model.model.layers[:layers]
-            model.config.num_hidden_layers = layers
-            if getattr(model.config, "layer_types", None):
-                model.config.layer_types = model.config.layer_types[:layers]
-    else:
-        settings = dict(preset.config)
-        if layers is not None:
-            settings["num_hidden_layers"] = layers
-        settings.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-        config_cls, model_cls = ((Qwen2Config, Qwen2ForCausalLM) if preset.family == "qwen2"
-                                 else (LlamaConfig, LlamaForCausalLM))
-        # Small init keeps random-weight activations and losses finite in bf16.
-        model = model_cls(config_cls(initializer_range=0.02, **settings))
     with replacing(target) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        tmp.mkdir()
+        if preset.model_type == "builtin":
+            _write_builtin(source, layers, tmp)
+        else:
+            settings = dict(preset.config)
+            if layers is not None:
+                settings["num_hidden_layers"] = layers
+            settings.update(bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, initializer_range=INIT_STD)
+            write_random_model(preset.model_type, settings, tmp)
         tokenizer.save_pretrained(tmp)
+
+
+def _write_builtin(source: Path, layers: int | None, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    if layers is not None and layers < model.config.num_hidden_layers:
+        model.model.layers = model.model.layers[:layers]
+        model.config.num_hidden_layers = layers
+        if getattr(model.config, "layer_types", None):
+            model.config.layer_types = model.config.layer_types[:layers]
+    model.save_pretrained(target, safe_serialization=True)
+
+
+def write_random_model(model_type: str, settings: dict[str, Any], target: Path) -> None:
+    """A Hugging Face model directory (config.json, bf16 safetensors shards and their index) of
+    the architecture, with random weights made and written one tensor at a time: a 7B model
+    never needs more memory than its largest tensor. Each tensor's values depend only on its name
+    (normal(0, 0.02) for matrices, ones for norms, zeros for biases), so a cut model
+    (--layers) holds the same first layers as the whole one."""
+    import zlib
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from cpudist.model.safetensors_io import Spec, write_file, write_index
+
+    config = AutoConfig.for_model(model_type, **settings)
+    config.dtype = torch.bfloat16
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(skeleton).__name__]
+    specs = {name: Spec(torch.bfloat16, tuple(p.shape)) for name, p in skeleton.named_parameters()}
+    del skeleton
+
+    def make(name: str) -> torch.Tensor:
+        shape = specs[name].shape
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=torch.bfloat16)
+        if name.endswith(".bias"):
+            return torch.zeros(shape, dtype=torch.bfloat16)
+        generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        out = torch.empty(shape, dtype=torch.bfloat16)
+        rows = max(1, (1 << 24) // max(1, out[0].numel()))  # 64 MB of fp32 at a time
+        for start in range(0, shape[0], rows):
+            chunk = torch.randn((min(rows, shape[0] - start), *shape[1:]), generator=generator)
+            out[start : start + rows] = chunk.mul_(INIT_STD)
+        return out
+
+    shards: list[dict[str, Spec]] = [{}]
+    size = 0
+    for name, spec in specs.items():
+        if shards[-1] and size + spec.nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = spec
+        size += spec.nbytes
+    weight_map: dict[str, str] = {}
+    for number, shard in enumerate(shards, start=1):
+        file = (f"model-{number:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
+                else "model.safetensors")
+        write_file(target / file, shard, make)
+        weight_map.update(dict.fromkeys(shard, file))
+    if len(shards) > 1:
+        write_index(target, weight_map, sum(spec.nbytes for spec in specs.values()))
+    config.save_pretrained(target)

@@ -50,7 +50,10 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
         return Datasets(train, TokenizedSplit([], []), description)
 
     total_steps = args.warmup + args.steps
+    loading = time.perf_counter()
     engine = build_engine(config, process, load_data, total_steps=total_steps)
+    load_s = time.perf_counter() - loading
+    rss_loaded = peak_rss_gb()
     precision = engine.session.precision
     flops = flop_model(engine.model)
 
@@ -105,6 +108,8 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
         "label_tokens_per_s_best_step": max(n / t for n, t in zip(step_labels, step_times,
                                                                    strict=True)),
         "peak_rss_gb": [rss for _, rss, _ in per_rank],
+        # Setup of rank 0 (model, data, optimizer, DDP) and its peak RSS by then.
+        "load_s": load_s, "peak_rss_after_load_gb": rss_loaded,
         "node_pss_gb": max(node_pss.values()),
         "mfu": model_flops / wall / peak_flops,
         "model_tflops": model_flops / wall / 1e12, "peak_tflops": peak_flops / 1e12,

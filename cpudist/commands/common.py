@@ -31,6 +31,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, adapter_required: bool 
                         help="LoRA adapter: OUTPUT/adapter of a train run (or a checkpoint dir)")
 
 
+def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantize", choices=["none", "int8", "int4"],
+                        help="model.quantize of the base (default: the adapter's run, else none)")
+    parser.add_argument("--quantize-group", type=int, metavar="N",
+                        help="model.quantize_group (default: the adapter's run, else 64)")
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -44,7 +51,9 @@ def positive_int(text: str) -> int:
 # Flag -> (section, key) of the config setting it stands for.
 RUN_SETTINGS = {"format": ("data", "format"), "max_length": ("data", "max_length"),
                 "batch_size": ("train", "batch_size"), "system": ("data", "system_prompt"),
-                "dtype": ("model", "dtype")}
+                "dtype": ("model", "dtype"), "run_dtype": ("model", "dtype"),
+                "quantize": ("model", "quantize"),
+                "quantize_group": ("model", "quantize_group")}
 
 
 def fill_from_run(args: argparse.Namespace, names: list[str]) -> None:

@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 
-from cpudist.commands.common import add_model_arguments, fill_from_run
+from cpudist.commands.common import add_model_arguments, add_quantize_arguments, fill_from_run
 from cpudist.errors import UserError
 
 HELP = "loss, perplexity and token accuracy on a data file"
@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from cpudist.data.formats import FORMATS
 
     add_model_arguments(parser)
+    add_quantize_arguments(parser)
     parser.add_argument("--data", required=True, metavar="FILE",
                         help=".jsonl/.json/.parquet, a saved datasets directory, or "
                              "chatterbot:english")
@@ -39,14 +40,16 @@ def run(args: argparse.Namespace) -> int:
     from cpudist.train.evaluate import evaluate_file
     from cpudist.train.session import open_session
 
-    fill_from_run(args, ["format", "max_length", "batch_size", "system", "dtype"])
+    fill_from_run(args, ["format", "max_length", "batch_size", "system", "dtype", "quantize",
+                         "quantize_group"])
     for flag, value, least in (("--max-length", args.max_length, 2),
                                ("--batch-size", args.batch_size, 1),
                                ("--max-batches", args.max_batches, 1)):
         if value is not None and value < least:
             raise UserError(f"{flag} must be at least {least} (got {value})")
     config = Config(
-        model=ModelConfig(path=args.base, dtype=args.dtype),
+        model=ModelConfig(path=args.base, dtype=args.dtype, quantize=args.quantize,
+                          quantize_group=args.quantize_group),
         data=DataConfig(path=args.data, format=args.format, max_length=args.max_length,
                         system_prompt=args.system, val_fraction=0.0),
         train=TrainConfig(batch_size=args.batch_size, eval_batches=args.max_batches))

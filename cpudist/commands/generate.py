@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cpudist.commands.common import add_model_arguments, fill_from_run
+from cpudist.commands.common import add_model_arguments, add_quantize_arguments, fill_from_run
 from cpudist.errors import UserError
 
 HELP = "answer a prompt with a base model (and adapter), streaming tokens"
@@ -15,6 +15,7 @@ DESCRIPTION = ("Greedy (or sampled) generation; the prompt is rendered with the 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_quantize_arguments(parser)
     parser.add_argument("prompt", help="the user message")
     parser.add_argument("--system", help="system message (default: data.system_prompt of the "
                                          "adapter's run)")
@@ -31,10 +32,11 @@ def run(args: argparse.Namespace) -> int:
     from cpudist.train.generate import generate, prompt_ids
     from cpudist.train.session import open_session
 
-    fill_from_run(args, ["system", "dtype"])
+    fill_from_run(args, ["system", "dtype", "quantize", "quantize_group"])
     if args.max_new_tokens <= 0:
         raise UserError("--max-new-tokens must be at least 1")
-    config = Config(model=ModelConfig(path=args.base, dtype=args.dtype))
+    config = Config(model=ModelConfig(path=args.base, dtype=args.dtype, quantize=args.quantize,
+                                       quantize_group=args.quantize_group))
     with start_process(DistConfig()) as process:
         session = open_session(config, process, args.adapter)
         ids = prompt_ids(session.tokenizer, args.prompt, args.system)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cpudist.commands.common import add_model_arguments
+from cpudist.commands.common import add_model_arguments, add_quantize_arguments, fill_from_run
 
 HELP = "fold a LoRA adapter into its base model (plain Hugging Face directory)"
 DESCRIPTION = ("Write base + adapter as one model directory (safetensors, config, tokenizer) that "
@@ -17,13 +17,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="dtype of the saved weights (merging is done in float32)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    add_quantize_arguments(parser)
+    parser.add_argument("--run-dtype", choices=["auto", "float32", "bfloat16"],
+                        help="model.dtype of a quantized run (default: the adapter's run): its "
+                             "scales were stored in that dtype")
 
 
 def run(args: argparse.Namespace) -> int:
+    from cpudist.config import ModelConfig
     from cpudist.model.merge import merge
     from cpudist.runtime.process import quiet_libraries
 
     quiet_libraries()
-    target = merge(args.base, args.adapter, args.out, args.dtype, args.force)
+    fill_from_run(args, ["quantize", "quantize_group", "run_dtype"])
+    quantized = ModelConfig(path=args.base, dtype=args.run_dtype, quantize=args.quantize,
+                            quantize_group=args.quantize_group)
+    target = merge(args.base, args.adapter, args.out, args.dtype, args.force, quantized=quantized)
     print(f"merged model written to {target}")
     return 0

@@ -35,11 +35,34 @@ def method_of(config: LoraConfig) -> str:
     return "lora"
 
 
+def _linear_types() -> tuple[type[nn.Module], ...]:
+    from cpudist.model.quantize import QuantizedLinear
+
+    return (nn.Linear, QuantizedLinear)
+
+
 def linear_module_names(model: nn.Module) -> list[str]:
-    """Distinct leaf names of nn.Linear modules (what target_modules can name)."""
+    """Distinct leaf names of linear modules, plain or quantized (what target_modules can name)."""
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if isinstance(module, nn.Linear)}
+             if isinstance(module, _linear_types())}
     return sorted(names)
+
+
+def _quantized(model: nn.Module) -> bool:
+    from cpudist.model.quantize import QuantizedLinear
+
+    return any(isinstance(module, QuantizedLinear) for module in model.modules())
+
+
+def _with_quantized_layers(peft_config: Any) -> Any:
+    """Let peft wrap QuantizedLinear with its own LoRA layer: it calls the base layer for the
+    frozen output and adds the adapter's, which is all a quantized base needs."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    from cpudist.model.quantize import QuantizedLinear
+
+    peft_config._register_custom_module({QuantizedLinear: LoraLinear})
+    return peft_config
 
 
 def apply_adapter(model: nn.Module, config: LoraConfig) -> nn.Module:
@@ -54,7 +77,17 @@ def apply_adapter(model: nn.Module, config: LoraConfig) -> nn.Module:
                 f"lora.target_modules: {', '.join(missing)} not in this model; its Linear modules "
                 f"are: {', '.join(available)} (or use 'all-linear')"
             )
-    peft_config = ADAPTER_METHODS[method_of(config)](config, config.target_modules)
+    targets: str | list[str] = config.target_modules
+    quantized = _quantized(model)
+    if quantized and targets == "all-linear":
+        # peft's all-linear knows only nn.Linear (and bitsandbytes layers): name them instead,
+        # every linear but the LM head, as all-linear means.
+        head = model.get_output_embeddings()
+        targets = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                          if isinstance(module, _linear_types()) and module is not head})
+    peft_config = ADAPTER_METHODS[method_of(config)](config, targets)
+    if quantized:
+        _with_quantized_layers(peft_config)
     peft_model = get_peft_model(model, peft_config)
     # Adapter weights and their optimizer state stay fp32 even when the frozen base is bf16.
     for param in peft_model.parameters():
@@ -99,10 +132,13 @@ def resolve_adapter(path: str) -> Path:
 
 def load_adapter(model: nn.Module, adapter_dir: Path, base_name: str) -> nn.Module:
     """The base with a saved adapter applied (peft), or a one-line error when they do not fit."""
-    from peft import PeftModel
+    from peft import PeftConfig, PeftModel
 
     try:
-        return PeftModel.from_pretrained(model, adapter_dir)
+        config = PeftConfig.from_pretrained(adapter_dir)
+        if _quantized(model):
+            _with_quantized_layers(config)
+        return PeftModel.from_pretrained(model, adapter_dir, config=config)
     except (RuntimeError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         raise UserError(f"--adapter {adapter_dir} does not fit the base model {base_name} ({first}); "

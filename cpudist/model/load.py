@@ -108,6 +108,8 @@ def load_base_model(config: ModelConfig, path: Path, precision: Precision,
     mapped = None
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        if config.quantize != "none":
+            return _load_quantized(config, path, hf_config, precision, cache_dir, options)
         if map_weights:
             from cpudist.model.shared_weights import build_mapped
 
@@ -139,6 +141,37 @@ def load_base_model(config: ModelConfig, path: Path, precision: Precision,
             log.info("frozen weights: %d tensors mapped read-only from %s (shared by the node's "
                      "ranks)", shared, source)
     model.config.use_cache = False
+    return model
+
+
+def _load_quantized(config: ModelConfig, path: Path, hf_config: Any, precision: Precision,
+                    cache_dir: Path, options: dict[str, Any]) -> nn.Module:
+    """The base with its decoder linears quantized (cpudist.model.quantize), built on a mapping
+    of the node's quantized cache."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from cpudist.model.quantize import METHODS, frozen_linear_names, quantized_dir, replace_linears
+    from cpudist.model.shared_weights import build_on_mapping
+
+    dtype = precision.compute_dtype
+    with init_empty_weights(include_buffers=False):
+        skeleton = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **options)
+    linears = frozen_linear_names(skeleton)
+    del skeleton
+    source = quantized_dir(path, linears, config.quantize, config.quantize_group, dtype, cache_dir)
+    model = build_on_mapping(source, hf_config, dtype, lambda m: replace_linears(
+        m, linears, config.quantize, config.quantize_group, dtype), **options)
+    if model is None:
+        raise UserError(f"{path}: its safetensors tensor names do not match the model, so "
+                        f"model.quantize={config.quantize} cannot map them; use a plain Hugging "
+                        "Face checkpoint of the architecture")
+    model.requires_grad_(False)
+    model.config.use_cache = False
+    log.info("frozen weights: %d decoder linears %s (%s), dequantized per matmul into one reused "
+             "%s buffer for oneDNN's GEMM; embeddings and LM head in %s; mapped from %s (shared "
+             "by the node's ranks)", len(linears), config.quantize, METHODS[config.quantize].describe,
+             str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."), source)
     return model
 
 

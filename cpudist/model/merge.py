@@ -1,9 +1,15 @@
 """`cpudist merge`: the adapter folded into its base, written as a plain Hugging Face model directory
-that AutoModelForCausalLM loads without peft."""
+that AutoModelForCausalLM loads without peft.
+
+From a run on a quantized base (model.quantize), the adapter is folded into the dequantized base
+weights, the ones it was trained against (not the original full-precision ones): the merged model
+computes what training computed.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,15 +25,18 @@ MERGE_PRECISION = Precision("float32", "merge computes in float32")
 
 
 def merge(base: str, adapter: str, out: str, dtype: str = "float32", force: bool = False,
-          trust_remote_code: bool = False) -> Path:
+          trust_remote_code: bool = False, quantized: ModelConfig | None = None) -> Path:
     """Fold the adapter into the base weights; writes a plain Hugging Face model directory."""
     target = Path(out).expanduser()
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not force:
         raise UserError(f"--out {out} already exists and is not empty; choose a new directory "
                         "or pass --force to replace it")
     adapter_dir = resolve_adapter(adapter)
-    config = ModelConfig(path=base, trust_remote_code=trust_remote_code)
-    model, tokenizer, _ = load_for_inference(config, adapter_dir, MERGE_PRECISION)
+    if quantized is not None and quantized.quantize != "none":
+        model, tokenizer = _dequantized_base(base, adapter_dir, quantized)
+    else:
+        config = ModelConfig(path=base, trust_remote_code=trust_remote_code)
+        model, tokenizer, _ = load_for_inference(config, adapter_dir, MERGE_PRECISION)
     merged = model.merge_and_unload()
     if dtype == "bfloat16":
         merged = merged.to(torch.bfloat16)
@@ -42,3 +51,17 @@ def merge(base: str, adapter: str, out: str, dtype: str = "float32", force: bool
         raise UserError(f"--out {out}: could not write the merged model ({exc.strerror}); choose a "
                         "writable directory with enough space") from exc
     return target
+
+
+def _dequantized_base(base: str, adapter_dir: Path, quantized: ModelConfig) -> tuple[Any, Any]:
+    """The quantized base the adapter was trained on (the node's cache, as training mapped it),
+    its linears dequantized to fp32, with the adapter applied."""
+    from cpudist.model.adapters import load_adapter
+    from cpudist.model.quantize import dequantize_linears
+    from cpudist.runtime.precision import choose_precision
+
+    config = quantized.model_copy(update={"path": base})
+    model, tokenizer, _ = load_for_inference(config, None, choose_precision(config.dtype))
+    dequantize_linears(model, torch.float32)
+    model = model.float()  # embeddings, head and norms too: the merge is computed in fp32
+    return load_adapter(model, adapter_dir, base_name=base), tokenizer

@@ -117,6 +117,17 @@ def detect_placement(env: Mapping[str, str] | None = None) -> Placement:
     return Placement(rank, world, local_rank, local_size, launcher)
 
 
+def slurm_node_memory_mb(env: Mapping[str, str] | None = None) -> int | None:
+    """The memory Slurm gives this job on a node (SLURM_MEM_PER_NODE, or SLURM_MEM_PER_CPU x the
+    node's CPUs), in MB; None outside Slurm or without a memory request."""
+    env = os.environ if env is None else env
+    per_node = _int(env, "SLURM_MEM_PER_NODE")
+    if per_node:
+        return per_node
+    per_cpu, cpus = _int(env, "SLURM_MEM_PER_CPU"), _int(env, "SLURM_CPUS_ON_NODE")
+    return per_cpu * cpus if per_cpu and cpus else None
+
+
 def mpi_available() -> bool:
     import importlib.util
 

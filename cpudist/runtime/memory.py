@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from pathlib import Path
 from typing import Any
+
+GB = 1024**3
+CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"),  # cgroup v2
+                 Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))  # cgroup v1
 
 
 def peak_rss_gb() -> float:
@@ -46,3 +51,28 @@ class PssSampler:
         self._stop.set()
         self._thread.join()
         self.sample()
+
+
+def node_memory_gb() -> tuple[float, str]:
+    """(GB this node's job may use, where that figure comes from): the smallest of MemTotal, the
+    cgroup memory limit and Slurm's memory per node."""
+    from cpudist.runtime.cluster import slurm_node_memory_mb
+
+    limits: list[tuple[float, str]] = []
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                limits.append((int(line.split()[1]) * 1024 / GB, "MemTotal"))
+    for path in CGROUP_LIMITS:
+        with contextlib.suppress(OSError, ValueError):
+            text = path.read_text().strip()
+            if text != "max" and int(text) < 1 << 60:
+                limits.append((int(text) / GB, f"cgroup limit {path}"))
+    slurm = slurm_node_memory_mb()
+    if slurm:
+        limits.append((slurm * 1024**2 / GB, "Slurm memory per node"))
+    if not limits:
+        import psutil
+
+        return psutil.virtual_memory().total / GB, "psutil"
+    return min(limits)

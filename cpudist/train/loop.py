@@ -20,7 +20,7 @@ from cpudist.errors import UserError
 from cpudist.report.console import Progress
 from cpudist.report.metrics import MetricsLog
 from cpudist.runtime.allocator import in_use as allocator_in_use
-from cpudist.runtime.comm import allreduce, rank0_only
+from cpudist.runtime.comm import agreed, allreduce, rank0_only
 from cpudist.runtime.hardware import cpu_info
 from cpudist.runtime.memory import peak_rss_gb
 from cpudist.runtime.process import Process, start_process
@@ -34,6 +34,7 @@ from cpudist.train.output import (
     save_final_adapter,
     write_summary,
 )
+from cpudist.train.plan import check_fits
 from cpudist.train.signals import StopFlag
 
 log = logging.getLogger("cpudist")
@@ -57,6 +58,9 @@ def training_data(config: Config, tokenizer: Any) -> Datasets:
 def _run(config: Config, process: Process) -> dict[str, Any] | None:
     tc = config.train
     placement = process.placement
+    # Before anything is loaded or written: a run that cannot fit stops here, not in the kernel's
+    # OOM killer.
+    agreed(placement, lambda: check_fits(config, placement.local_size))
     rank0_only(placement, lambda: prepare_output(config))
     out = Path(config.output.dir)
     log.info("config:\n%s", config.to_yaml().rstrip())

@@ -24,7 +24,8 @@ log = logging.getLogger("cpudist")
 # Keys that may differ between a run and its continuation in the same output directory.
 RESUMABLE_KEYS = {("train", "resume"), ("output", "overwrite"), ("train", "max_steps"),
                   ("train", "epochs"), ("dist", "threads_per_rank"), ("dist", "master_addr"),
-                  ("dist", "master_port"), ("dist", "interface"), ("dist", "timeout_s")}
+                  ("dist", "master_port"), ("dist", "interface"), ("dist", "timeout_s"),
+                  ("train", "check_memory")}
 
 
 def prepare_output(config: Config) -> Path:

@@ -231,3 +231,46 @@ def test_model_with_only_pickled_weights_is_refused(tiny_llama: Path, chat_file:
     error = fails(train_args(model, chat_file, tmp_path / "out"))
     assert f"{model}: model weights could not be read" in error
     assert "needs model.safetensors" in error
+
+
+# --------------------------------------------------------------------------- big models
+
+
+def test_a_run_too_big_for_the_node_is_refused_before_loading(tiny_llama: Path, chat_file: Path,
+                                                              tmp_path: Path) -> None:
+    args = train_args(tiny_llama, chat_file, tmp_path / "out")
+    result = run([*cpudist_cmd(), *args], env={"SLURM_MEM_PER_NODE": "300"}, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert error.startswith("error: this run needs about ") and "the node has 0.3 GB" in error
+    assert "(Slurm memory per node)" in error and "train.check_memory=false" in error
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    anyway = run([*cpudist_cmd(), *args, "train.check_memory=false", "train.max_steps=1"],
+                 env={"SLURM_MEM_PER_NODE": "300"}, timeout=300)
+    assert anyway.returncode == 0, anyway.stderr[-3000:]
+
+
+def test_unknown_architecture(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
+    model = tmp_path / "unknown"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "llamalike-9000"}))
+    error = fails(train_args(model, chat_file, tmp_path / "out"))
+    assert f"{model}: not loadable as a causal language model" in error
+
+
+def test_unsupported_quantize_value(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
+    error = fails(train_args(tiny_llama, chat_file, tmp_path / "out", model__quantize="nf3"))
+    assert "command line: key 'model.quantize'" in error and "'int8' or 'int4'" in error
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_truncated_weight_shard(quantize: str, tiny_llama: Path, chat_file: Path,
+                                tmp_path: Path) -> None:
+    model = tmp_path / "cut"
+    shutil.copytree(tiny_llama, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    error = fails(train_args(model, chat_file, tmp_path / "out", model__quantize=quantize,
+                             model__cache_dir=tmp_path / "cache"))
+    assert f"{weights}: truncated" in error and "copy the model directory again" in error

@@ -1,0 +1,266 @@
+"""Will it fit: the memory a run needs per rank and per node, predicted before any weight is read.
+
+The model's parameters are counted on a meta-device copy built from config.json (no memory). Per
+rank: the adapter (fp32 weights, gradients, AdamW moments, DDP's gradient buckets), activations
+kept for backward (all layers, or with activation checkpointing each layer's input plus one
+layer recomputed), the chunked loss head's buffers, the dequantization buffer of a quantized base,
+and the process itself. Per node: the frozen weights once (mapped and shared by the node's ranks;
+an untied embedding counts only for the rows a step touches) plus every rank's own memory.
+
+The activation figures are bytes per token per layer, fitted to peaks measured with the bench on
+the development machine (docs/PERFORMANCE.md: "Will it fit"), so they describe PyTorch 2.13's
+SDPA attention and transformers 5's Llama/Qwen2/Mistral layers; `plan` says so where it prints them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpudist.config import Config
+from cpudist.errors import UserError
+
+log = logging.getLogger("cpudist")
+GB = 1024**3
+
+# Fitted on the bench's peaks (see the module docstring): bytes kept per token, per layer, per
+# unit of hidden size (h) and of MLP width (i), in bf16 and in fp32 compute.
+ACTIVATION_BYTES = {"bfloat16": (22.0, 8.0), "float32": (40.0, 16.0)}
+# With checkpointing each layer keeps its input (h values); one layer is recomputed at a time.
+CHECKPOINT_KEPT = {"bfloat16": 2.0, "float32": 4.0}
+PROCESS_GB = 0.75  # python, torch, transformers, tokenizer, allocator slack
+HEADROOM = 0.95  # a plan fits when the node's peak is at most this share of its memory
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Parameter counts of a model, by what the plan does with them."""
+
+    linears: int  # decoder linear weights (what model.quantize stores quantized)
+    linear_shapes: tuple[tuple[int, int], ...]  # (out, in) of each, for scratch and LoRA sizes
+    embedding: int
+    head: int  # 0 when tied to the embedding
+    other: int  # norms, biases
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    tied: bool
+
+
+@dataclass
+class MemoryPlan:
+    ranks_per_node: int
+    node_memory_gb: float
+    node_memory_from: str
+    frozen_gb: dict[str, float]  # shared per node when mapped
+    frozen_shared: bool
+    rank_gb: dict[str, float]  # each rank's own
+    node_peak_gb: float = 0.0
+    rank_peak_gb: float = 0.0
+    fits: bool = True
+    advice: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def model_parts(config: Config) -> Parts:
+    """Parameter counts from the model directory's config.json, on the meta device."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from cpudist.model.load import resolve_model_path
+
+    path = resolve_model_path(config.model)
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
+        with init_empty_weights(include_buffers=True):
+            model = AutoModelForCausalLM.from_config(
+                hf_config, trust_remote_code=config.model.trust_remote_code)
+    except (ValueError, KeyError) as exc:
+        message = str(exc).splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{path}: not loadable as a causal language model ({message}); give a "
+                        "Hugging Face causal LM directory (Llama, Qwen2, Mistral, ...)") from exc
+    head = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    shapes = tuple(tuple(m.weight.shape) for m in model.modules()
+                   if isinstance(m, torch.nn.Linear) and m is not head)
+    linears = sum(out * in_ for out, in_ in shapes)
+    total = sum(p.numel() for p in model.parameters())
+    n_embed = embedding.weight.numel()
+    n_head = 0 if tied else head.weight.numel()
+    return Parts(linears=linears, linear_shapes=shapes, embedding=n_embed, head=n_head,
+                 other=total - linears - n_embed - n_head, hidden=hf_config.hidden_size,
+                 intermediate=getattr(hf_config, "intermediate_size", 4 * hf_config.hidden_size),
+                 layers=hf_config.num_hidden_layers, vocab=hf_config.vocab_size, tied=tied)
+
+
+def _lora_params(parts: Parts, config: Config) -> int:
+    targets = config.lora.target_modules
+    shapes = parts.linear_shapes
+    if targets != "all-linear":
+        # A list names leaf modules; without the names here, count the share of linears the
+        # usual attention-only lists cover (q, k, v, o: 4 of the 7 linears of a layer).
+        shapes = shapes[: max(1, len(shapes) * len(targets) // 7)]
+    return sum(config.lora.r * (out + in_) for out, in_ in shapes)
+
+
+def estimate(config: Config, parts: Parts, ranks_per_node: int, node_memory: tuple[float, str],
+             compute: str) -> MemoryPlan:
+    """The plan for config on a node of node_memory (GB, where the figure comes from)."""
+    bytes_per = 2 if compute == "bfloat16" else 4
+    quantize = config.model.quantize
+    frozen: dict[str, float] = {}
+    if quantize == "none":
+        frozen["decoder linears"] = parts.linears * bytes_per / GB
+    else:
+        group = config.model.quantize_group
+        per_weight = 1 + bytes_per / parts.hidden if quantize == "int8" else 0.5 + 2 * bytes_per / group
+        frozen[f"decoder linears ({quantize})"] = parts.linears * per_weight / GB
+    tokens = config.train.batch_size * config.data.max_length
+    if parts.tied:
+        frozen["embedding + tied LM head"] = parts.embedding * bytes_per / GB
+    else:
+        # A lookup touches only the pages of the rows it reads.
+        rows = min(parts.vocab, tokens * config.train.grad_accum)
+        frozen["embedding (rows read)"] = min(parts.embedding, rows * parts.hidden) * bytes_per / GB
+        frozen["LM head"] = parts.head * bytes_per / GB
+    frozen["norms, biases"] = parts.other * bytes_per / GB
+    shared = config.model.share_frozen_weights or quantize != "none"
+
+    rank: dict[str, float] = {}
+    lora = _lora_params(parts, config)
+    ddp = 4 if ranks_per_node > 1 or config.dist.threads_per_rank else 0
+    rank["adapter, gradients, AdamW"] = lora * (16 + ddp) / GB
+    per_h, per_i = ACTIVATION_BYTES[compute]
+    per_layer_token = per_h * parts.hidden + per_i * parts.intermediate
+    if config.model.gradient_checkpointing:
+        kept = CHECKPOINT_KEPT[compute] * parts.hidden * tokens * parts.layers
+        rank["activations (checkpointed)"] = (kept + per_layer_token * tokens) / GB
+    else:
+        rank["activations"] = per_layer_token * tokens * parts.layers / GB
+    chunk = config.train.loss_chunk_size
+    if chunk:
+        rows = min(chunk, tokens)
+        rank["loss head chunk"] = rows * parts.vocab * (bytes_per + 4) / GB
+    else:
+        rank["full logits"] = tokens * parts.vocab * 4 * 3 / GB
+    if quantize != "none":
+        largest = max(out * in_ for out, in_ in parts.linear_shapes)
+        rank["dequantization buffer"] = largest * (bytes_per + 1) / GB
+    rank["process"] = PROCESS_GB
+
+    node_memory_gb, source = node_memory
+    plan = MemoryPlan(ranks_per_node, node_memory_gb, source, frozen, shared, rank)
+    frozen_total = sum(frozen.values())
+    rank_total = sum(rank.values())
+    plan.rank_peak_gb = rank_total + (frozen_total if not shared else frozen_total / ranks_per_node)
+    plan.node_peak_gb = (frozen_total * (1 if shared else ranks_per_node)
+                         + rank_total * ranks_per_node)
+    plan.fits = plan.node_peak_gb <= HEADROOM * node_memory_gb
+    plan.notes.append("activation figures fitted to bench peaks of PyTorch 2.13 / transformers 5 "
+                      "on the development machine (docs/PERFORMANCE.md)")
+    return plan
+
+
+def advise(config: Config, parts: Parts, ranks_per_node: int, node_memory: tuple[float, str],
+           compute: str) -> list[str]:
+    """Settings that would make a plan that does not fit fit, smallest change first."""
+    tries: list[tuple[str, list[str]]] = []
+    if not config.model.gradient_checkpointing:
+        tries.append(("model.gradient_checkpointing=true", ["model.gradient_checkpointing=true"]))
+    for method in ("int8", "int4"):
+        if config.model.quantize in ("none", "int8") and config.model.quantize != method:
+            tries.append((f"model.quantize={method}", [f"model.quantize={method}"]))
+    batch = config.train.batch_size
+    while batch > 1:
+        batch //= 2
+        accum = config.train.grad_accum * config.train.batch_size // batch
+        tries.append((f"train.batch_size={batch} train.grad_accum={accum} (same global batch)",
+                      [f"train.batch_size={batch}", f"train.grad_accum={accum}"]))
+    if ranks_per_node > 1:
+        tries.append((f"{ranks_per_node // 2} ranks per node", []))
+    advice = []
+    for label, overrides in tries:
+        changed = _with(config, overrides)
+        ranks = ranks_per_node // 2 if not overrides else ranks_per_node
+        if estimate(changed, parts, max(1, ranks), node_memory, compute).fits:
+            advice.append(label)
+        # Combine with checkpointing: most big runs need both.
+        elif overrides and overrides[0] != "model.gradient_checkpointing=true" and \
+                not config.model.gradient_checkpointing:
+            both = _with(changed, ["model.gradient_checkpointing=true"])
+            if estimate(both, parts, ranks, node_memory, compute).fits:
+                advice.append(f"model.gradient_checkpointing=true {label}")
+        if len(advice) == 3:
+            break
+    return advice
+
+
+def _with(config: Config, overrides: list[str]) -> Config:
+    from cpudist.config import parse_override
+
+    data = config.to_dict()
+    for item in overrides:
+        (section, key), value = parse_override(item)
+        data[section][key] = value
+    return Config.model_validate(data)
+
+
+def make_plan(config: Config, ranks_per_node: int) -> MemoryPlan:
+    from cpudist.runtime.memory import node_memory_gb
+    from cpudist.runtime.precision import choose_precision
+
+    parts = model_parts(config)
+    compute = choose_precision(config.model.dtype).compute
+    node = node_memory_gb()
+    plan = estimate(config, parts, ranks_per_node, node, compute)
+    if not plan.fits:
+        plan.advice = advise(config, parts, ranks_per_node, node, compute)
+    return plan
+
+
+def describe(plan: MemoryPlan) -> str:
+    lines = [f"frozen weights ({'once per node, mapped' if plan.frozen_shared else 'per rank'}):"]
+    lines += [f"  {name:<34} {gb:7.2f} GB" for name, gb in plan.frozen_gb.items()]
+    lines.append(f"each rank ({plan.ranks_per_node} per node):")
+    lines += [f"  {name:<34} {gb:7.2f} GB" for name, gb in plan.rank_gb.items()]
+    lines.append(f"peak per rank {plan.rank_peak_gb:.2f} GB; node peak {plan.node_peak_gb:.2f} GB "
+                 f"of {plan.node_memory_gb:.1f} GB ({plan.node_memory_from})")
+    lines.append("fits" if plan.fits else "does NOT fit" + (
+        f"; would fit with: {'; or '.join(plan.advice)}" if plan.advice else
+        "; nothing tried here makes it fit (a bigger node, or more nodes with fewer ranks each)"))
+    return "\n".join(lines)
+
+
+def one_line(plan: MemoryPlan) -> str:
+    advice = f"; it would fit with {plan.advice[0]}" if plan.advice else ""
+    return (f"this run needs about {plan.node_peak_gb:.1f} GB per node ({plan.ranks_per_node} "
+            f"rank(s)) and the node has {plan.node_memory_gb:.1f} GB ({plan.node_memory_from})"
+            f"{advice}; `cpudist plan` shows the parts, train.check_memory=false runs anyway")
+
+
+def check_fits(config: Config, ranks_per_node: int) -> MemoryPlan | None:
+    """The plan, raising a one-line UserError when it does not fit (train.check_memory=false
+    skips the check). Never stops a run because the plan itself failed."""
+    if not config.train.check_memory:
+        return None
+    try:
+        plan = make_plan(config, ranks_per_node)
+    except UserError:
+        raise
+    except Exception as exc:  # a model the planner cannot count: say so, run anyway
+        log.warning("memory plan unavailable (%s); running without the check", exc)
+        return None
+    if not plan.fits:
+        raise UserError(one_line(plan))
+    log.info("memory plan: node peak about %.1f GB of %.1f GB (%s)", plan.node_peak_gb,
+             plan.node_memory_gb, plan.node_memory_from)
+    return plan
+

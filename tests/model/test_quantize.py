@@ -1,0 +1,164 @@
+"""Quantized frozen bases: the stored codes restore the weight within the method's step, the layer
+computes what nn.Linear computes with that weight (forward and input gradient), the node's cache is
+written once outside the model directory and mapped, and LoRA trains on top."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpudist.config import LoraConfig, ModelConfig
+from cpudist.data.batches import collate
+from cpudist.errors import UserError
+from cpudist.model.load import build_model
+from cpudist.model.loss import CausalLMLoss
+from cpudist.model.quantize import METHODS, QuantizedLinear, dequantize_linears
+from cpudist.runtime.precision import choose_precision
+from tests.helpers import loss_and_grads, random_split
+
+
+def _layer(weight: torch.Tensor, method: str, group: int, dtype: torch.dtype,
+           bias: torch.Tensor | None = None) -> QuantizedLinear:
+    out_f, in_f = weight.shape
+    layer = QuantizedLinear(in_f, out_f, bias is not None, method, group, dtype, device="cpu")
+    for name, tensor in METHODS[method].quantize(weight, group, dtype).items():
+        getattr(layer, name).copy_(tensor)
+    if bias is not None:
+        layer.bias.copy_(bias.to(dtype))
+    return layer
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_codes_restore_the_weight_within_one_step(method: str) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128) * 0.02
+    layer = _layer(weight, method, 32, torch.float32)
+    restored = layer.dequantized()
+    if method == "int8":
+        step = weight.abs().amax(dim=1, keepdim=True) / 127
+    else:
+        groups = weight.reshape(96, 4, 32)
+        step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, dim=1)
+    assert ((restored - weight).abs() <= step / 2 + 1e-6).all()
+    # int4 stores two codes per byte: half the bytes of int8.
+    assert layer.qweight.numel() == (96 * 128 if method == "int8" else 96 * 64)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_computes_what_linear_computes_with_the_restored_weight(method: str,
+                                                                       dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    weight, bias = torch.randn(48, 64) * 0.05, torch.randn(48) * 0.1
+    layer = _layer(weight, method, 16, dtype, bias)
+    reference = torch.nn.Linear(64, 48, dtype=dtype)
+    reference.weight.data = layer.dequantized(dtype)
+    reference.bias.data = bias.to(dtype)
+    x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, expected = layer(x), reference(x_ref)
+    # bf16: nn.Linear adds the bias inside the GEMM, the layer after rounding its output.
+    close = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}
+    torch.testing.assert_close(out, expected, **close)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, **close)
+    assert not any(t.requires_grad for t in layer.buffers())
+
+
+def _quantized(model_dir: Path, cache: Path, method: str, dtype: str = "float32") -> torch.nn.Module:
+    torch.manual_seed(0)
+    model, _, _ = build_model(
+        ModelConfig(path=str(model_dir), dtype=dtype, quantize=method, quantize_group=32,
+                    cache_dir=str(cache)), LoraConfig(r=4, dropout=0.0), choose_precision(dtype))
+    return model
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_base_is_cached_once_mapped_and_trains_lora(method: str, tiny_qwen: Path,
+                                                              tmp_path: Path) -> None:
+    before = sorted(p.name for p in tiny_qwen.iterdir())
+    model = _quantized(tiny_qwen, tmp_path, method)
+    (cache,) = [p for p in (tmp_path / "quantized").iterdir() if p.is_dir()]
+    assert (cache / "quantization.json").is_file()
+    assert sorted(p.name for p in tiny_qwen.iterdir()) == before  # nothing written beside the model
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 2 * 7  # q k v o gate up down in each of the 2 layers
+    file_size = (cache / "model.safetensors").stat().st_size
+    assert all(m.qweight.untyped_storage().nbytes() == file_size for m in layers)  # mapped views
+    stamp = (cache / "quantization.json").stat().st_mtime_ns
+    _quantized(tiny_qwen, tmp_path, method)
+    assert (cache / "quantization.json").stat().st_mtime_ns == stamp  # reused
+
+    # Only the adapter learns; every quantized linear got one (all-linear).
+    batch = collate(random_split([12, 9], model.config.vocab_size), [0, 1], pad_id=0)
+    loss, count, grads = loss_and_grads(CausalLMLoss(model, 4), batch)
+    assert count == batch.label_tokens and loss > 0
+    assert grads and all("lora_" in name for name in grads)
+    assert sum(1 for name in grads if "lora_A" in name) == len(layers)
+    assert all(g.abs().max() > 0 for name, g in grads.items() if "lora_B" in name)
+
+
+def test_quantized_logits_stay_close_and_dequantizing_restores_plain_linears(
+        tiny_qwen: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_qwen, dtype=torch.float32).eval()
+    ids = torch.randint(0, plain.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference = plain(input_ids=ids).logits
+        for method, tolerance in (("int8", 0.02), ("int4", 0.2)):
+            base = _quantized(tiny_qwen, tmp_path, method).get_base_model().eval()
+            logits = base(input_ids=ids).logits
+            error = (logits - reference).abs().max() / reference.abs().max()
+            assert 0 < error < tolerance, (method, float(error))
+            quantized_logits = logits.clone()
+            assert dequantize_linears(base) == 14
+            assert not any(isinstance(m, QuantizedLinear) for m in base.modules())
+            torch.testing.assert_close(base(input_ids=ids).logits, quantized_logits, rtol=1e-4,
+                                       atol=1e-4)
+
+
+def test_cache_key_follows_the_files(tiny_qwen: Path, tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_qwen, model_dir)
+    _quantized(model_dir, tmp_path, "int8")
+    weights = model_dir / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    _quantized(model_dir, tmp_path, "int8")  # the model changed: quantized again
+    assert len([p for p in (tmp_path / "quantized").iterdir() if p.is_dir()]) == 2
+
+
+def test_a_group_that_does_not_divide_the_columns_is_refused(tiny_qwen: Path,
+                                                             tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"model.quantize_group=48.*choose a group that divides"):
+        build_model(ModelConfig(path=str(tiny_qwen), dtype="float32", quantize="int4",
+                                quantize_group=48, cache_dir=str(tmp_path)),
+                    LoraConfig(r=4), choose_precision("float32"))
+
+
+@pytest.mark.slow
+def test_smollm2_trained_on_a_quantized_base_ends_near_the_bf16_run(smol_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """The real quickstart, a few steps: int8 within 3 % of the bf16 run's validation loss, int4
+    within 6 % (the issue's bounds; the full 40-step figures are in docs/PERFORMANCE.md)."""
+    from tests.helpers import REPO, cpudist_cmd, run
+
+    losses = {}
+    for method in ("none", "int8", "int4"):
+        out = tmp_path / method
+        done = run([*cpudist_cmd(), "train", REPO / "configs" / "quickstart.yaml",
+                    "model.dtype=bfloat16", f"model.quantize={method}", "train.max_steps=6",
+                    "train.save_every=0", "train.sample_prompts=0", "train.eval_batches=4",
+                    "output.plots=false", f"output.dir={out}",
+                    f"model.cache_dir={smol_dir.parent}", f"data.cache_dir={tmp_path / 'data'}"])
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[method] = json.loads((out / "summary.json").read_text())["val_loss_after"]
+    assert losses["int8"] == pytest.approx(losses["none"], rel=0.03), losses
+    assert losses["int4"] == pytest.approx(losses["none"], rel=0.06), losses

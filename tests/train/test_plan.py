@@ -1,0 +1,85 @@
+"""`cpudist plan`: memory per rank and per node from config.json alone, how each setting moves it,
+where the node's memory comes from, and the advice when a run does not fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cpudist.config import load_config
+from cpudist.runtime import memory
+from cpudist.train.plan import estimate, make_plan, model_parts
+from tests.helpers import cpudist_cmd, run
+
+NODE = (24.0, "MemTotal")
+
+
+def _config(model: Path, *overrides: str):  # noqa: ANN202
+    return load_config(None, [f"model.path={model}", "data.max_length=256", "train.batch_size=4",
+                              *overrides])
+
+
+def test_parts_count_the_parameters(tiny_qwen: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    parts = model_parts(_config(tiny_qwen))
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen)
+    assert parts.tied and parts.head == 0
+    total = sum(p.numel() for p in model.parameters())
+    assert parts.linears + parts.embedding + parts.other == total
+    assert len(parts.linear_shapes) == 2 * 7 and (parts.hidden, parts.layers) == (64, 2)
+
+
+def test_each_setting_moves_the_plan_where_it_should(tiny_qwen: Path) -> None:
+    parts = model_parts(_config(tiny_qwen))
+
+    def peak(*overrides: str, ranks: int = 1) -> tuple[float, float]:
+        plan = estimate(_config(tiny_qwen, *overrides), parts, ranks, NODE, "bfloat16")
+        return sum(plan.frozen_gb.values()), plan.node_peak_gb
+
+    frozen, base = peak()
+    assert peak("model.gradient_checkpointing=true")[1] < base
+    assert peak("model.quantize=int8")[0] < frozen and peak("model.quantize=int4")[0] < peak(
+        "model.quantize=int8")[0]
+    assert peak("train.batch_size=8")[1] > base
+    # Mapped frozen weights count once per node; each rank adds only its own part.
+    two = estimate(_config(tiny_qwen), parts, 2, NODE, "bfloat16")
+    assert two.frozen_shared
+    assert two.node_peak_gb == pytest.approx(sum(two.frozen_gb.values())
+                                             + 2 * sum(two.rank_gb.values()))
+    unshared = estimate(_config(tiny_qwen, "model.share_frozen_weights=false"), parts, 2, NODE,
+                        "bfloat16")
+    assert unshared.node_peak_gb > two.node_peak_gb
+
+
+def test_node_memory_is_the_smallest_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    total, source = memory.node_memory_gb()
+    assert total > 0 and source in ("MemTotal", "psutil") or source.startswith("cgroup")
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", "2048")
+    assert memory.node_memory_gb() == (2.0, "Slurm memory per node")
+
+
+def test_a_plan_that_does_not_fit_says_what_would(tiny_qwen: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _config(tiny_qwen, "data.max_length=2048", "train.batch_size=64")
+    fits = make_plan(config, 1)
+    assert fits.fits and not fits.advice
+    # A node just too small for it: checkpointing (the smallest change) makes it fit.
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", str(int(fits.node_peak_gb * 1024 * 0.9)))
+    plan = make_plan(config, 1)
+    assert not plan.fits and plan.advice[0] == "model.gradient_checkpointing=true"
+
+
+def test_plan_command_prints_and_writes_json(tiny_qwen: Path, tmp_path: Path) -> None:
+    done = run([*cpudist_cmd(), "plan", f"model.path={tiny_qwen}", "--ranks-per-node", "2",
+                "--json", "-"], timeout=120)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout)
+    assert figures["ranks_per_node"] == 2 and figures["fits"] is True
+    assert figures["node_peak_gb"] > figures["rank_peak_gb"] > 0
+    printed = run([*cpudist_cmd(), "plan", f"model.path={tiny_qwen}", "model.quantize=int4"],
+                  timeout=120)
+    assert printed.returncode == 0 and "decoder linears (int4)" in printed.stdout
+    assert "node peak" in printed.stdout and printed.stdout.strip().endswith("fits")
