@@ -52,10 +52,11 @@ def flop_model(peft_model: nn.Module) -> FlopModel:
             continue
         if not isinstance(module, nn.Linear) or module is head:
             continue
+        # in x out, not weight.numel(): a peer's 4-bit layer packs two weights per element.
         if ".lora_" in name:
-            n_lora += module.weight.numel()
+            n_lora += module.in_features * module.out_features
         elif not module.weight.requires_grad:
-            n_frozen += module.weight.numel()
+            n_frozen += module.in_features * module.out_features
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return FlopModel(n_frozen=n_frozen, n_lora=n_lora, n_layers=config.num_hidden_layers,
                      attn_dim=config.num_attention_heads * head_dim,

@@ -46,6 +46,7 @@ from cpudist.model.safetensors_io import (
     write_file,
     write_index,
 )
+from cpudist.runtime.process import run_apart
 
 log = logging.getLogger("cpudist")
 MANIFEST = "quantization.json"
@@ -299,61 +300,67 @@ def quantized_dir(model_dir: Path, linears: list[str], method: str, group: int,
             return target
         log.info("quantizing %s frozen linear weights (%s) once into %s", model_dir,
                  METHODS[method].describe, target)
-        headers = {file: read_header(file) for file in files}
-        shapes = {weights[n]: tuple(meta["shape"]) for _, (header, _) in headers.items()
-                  for n, meta in header.items() if n in weights}
-        missing = sorted(set(weights.values()) - set(shapes))
-        if missing:
-            raise UserError(f"{model_dir}: no weight for {missing[0]} in its safetensors files; "
-                            "model.quantize needs tensor names that match the model (a plain "
-                            "Hugging Face checkpoint)")
-        _check_shapes(list(weights.values()), shapes, method, group)
-        remove(target)
-        target.mkdir(parents=True)
-        weight_map: dict[str, str] = {}
-        total = 0
-        for file, (header, data_start) in headers.items():
-            specs: dict[str, Spec] = {}
-            sources: dict[str, tuple[str, str | None]] = {}  # written -> (source, buffer name)
-            for tensor_name, meta in sorted(header.items(),
-                                            key=lambda item: item[1]["data_offsets"][0]):
-                if tensor_name in weights:
-                    rows, cols = meta["shape"]
-                    stem = tensor_name.removesuffix(".weight")
-                    for buffer, (shape, buffer_dtype) in METHODS[method].layout(
-                            rows, cols, group, dtype).items():
-                        specs[f"{stem}.{buffer}"] = Spec(buffer_dtype, shape)
-                        sources[f"{stem}.{buffer}"] = (tensor_name, buffer)
-                else:
-                    stored = SAFETENSORS_DTYPES[meta["dtype"]]
-                    specs[tensor_name] = Spec(dtype if stored.is_floating_point else stored,
-                                              tuple(meta["shape"]))
-                    sources[tensor_name] = (tensor_name, None)
-            made: dict[str, Stored] = {}
-
-            def make(written: str, header: dict = header, data_start: int = data_start,
-                     file: Path = file, sources: dict = sources, made: dict = made
-                     ) -> torch.Tensor:
-                source, buffer = sources[written]
-                if buffer is None:
-                    tensor = read_tensor(file, header[source], data_start)
-                    return tensor.to(dtype) if tensor.is_floating_point() else tensor
-                if source not in made:  # its first buffer: quantize the weight now
-                    made[source] = METHODS[method].quantize(
-                        read_tensor(file, header[source], data_start), group, dtype)
-                tensor = made[source].pop(buffer)
-                if not made[source]:
-                    del made[source]
-                return tensor
-
-            with replacing(target / file.name) as tmp:
-                write_file(tmp, specs, make)
-            for written, spec in specs.items():
-                weight_map[written] = file.name
-                total += spec.nbytes
-        write_index(target, weight_map, total)
-        (target / MANIFEST).write_text(json.dumps(
-            {"method": method, "group": group, "dtype": str(dtype), "source": str(model_dir),
-             "linears": sorted(set(weights.values()))}, indent=1))
+        # In a child process: the memory the conversion used goes back to the system with it
+        # (a preloaded malloc that keeps freed pages would otherwise hold it for the whole run).
+        run_apart(_write_quantized, Path(model_dir), files, weights, method, group, dtype, target)
     return target
 
+
+def _write_quantized(model_dir: Path, files: list[Path], weights: dict[str, str], method: str,
+                     group: int, dtype: torch.dtype, target: Path) -> None:
+    headers = {file: read_header(file) for file in files}
+    shapes = {weights[n]: tuple(meta["shape"]) for _, (header, _) in headers.items()
+              for n, meta in header.items() if n in weights}
+    missing = sorted(set(weights.values()) - set(shapes))
+    if missing:
+        raise UserError(f"{model_dir}: no weight for {missing[0]} in its safetensors files; "
+                        "model.quantize needs tensor names that match the model (a plain "
+                        "Hugging Face checkpoint)")
+    _check_shapes(list(weights.values()), shapes, method, group)
+    remove(target)
+    target.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file, (header, data_start) in headers.items():
+        specs: dict[str, Spec] = {}
+        sources: dict[str, tuple[str, str | None]] = {}  # written -> (source, buffer name)
+        for tensor_name, meta in sorted(header.items(),
+                                        key=lambda item: item[1]["data_offsets"][0]):
+            if tensor_name in weights:
+                rows, cols = meta["shape"]
+                stem = tensor_name.removesuffix(".weight")
+                for buffer, (shape, buffer_dtype) in METHODS[method].layout(
+                        rows, cols, group, dtype).items():
+                    specs[f"{stem}.{buffer}"] = Spec(buffer_dtype, shape)
+                    sources[f"{stem}.{buffer}"] = (tensor_name, buffer)
+            else:
+                stored = SAFETENSORS_DTYPES[meta["dtype"]]
+                specs[tensor_name] = Spec(dtype if stored.is_floating_point else stored,
+                                          tuple(meta["shape"]))
+                sources[tensor_name] = (tensor_name, None)
+        made: dict[str, Stored] = {}
+
+        def make(written: str, header: dict = header, data_start: int = data_start,
+                 file: Path = file, sources: dict = sources, made: dict = made
+                 ) -> torch.Tensor:
+            source, buffer = sources[written]
+            if buffer is None:
+                tensor = read_tensor(file, header[source], data_start)
+                return tensor.to(dtype) if tensor.is_floating_point() else tensor
+            if source not in made:  # its first buffer: quantize the weight now
+                made[source] = METHODS[method].quantize(
+                    read_tensor(file, header[source], data_start), group, dtype)
+            tensor = made[source].pop(buffer)
+            if not made[source]:
+                del made[source]
+            return tensor
+
+        with replacing(target / file.name) as tmp:
+            write_file(tmp, specs, make)
+        for written, spec in specs.items():
+            weight_map[written] = file.name
+            total += spec.nbytes
+    write_index(target, weight_map, total)
+    (target / MANIFEST).write_text(json.dumps(
+        {"method": method, "group": group, "dtype": str(dtype), "source": str(model_dir),
+         "linears": sorted(set(weights.values()))}, indent=1))

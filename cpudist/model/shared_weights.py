@@ -26,6 +26,7 @@ from cpudist.model.safetensors_io import (
     weight_files,
     write_file,
 )
+from cpudist.runtime.process import run_apart
 
 log = logging.getLogger("cpudist")
 
@@ -58,16 +59,21 @@ def converted_dir(model_dir: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
     with file_lock(target.with_name(f".{target.name}.lock")):
         if not (target / "done").exists():
             log.info("converting %s frozen weights to %s once into %s", model_dir, name, target)
-            remove(target)
-            target.mkdir(parents=True)
-            for file in files:
-                with replacing(target / file.name) as tmp:
-                    _convert_file(file, tmp, dtype)
-            index = Path(model_dir) / "model.safetensors.index.json"
-            if index.is_file():
-                (target / index.name).write_text(index.read_text())
-            (target / "done").write_text("")
+            # In a child process, so that its memory is given back when it ends.
+            run_apart(_convert_files, Path(model_dir), files, dtype, target)
     return target
+
+
+def _convert_files(model_dir: Path, files: list[Path], dtype: torch.dtype, target: Path) -> None:
+    remove(target)
+    target.mkdir(parents=True)
+    for file in files:
+        with replacing(target / file.name) as tmp:
+            _convert_file(file, tmp, dtype)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        (target / index.name).write_text(index.read_text())
+    (target / "done").write_text("")
 
 
 def mapped_source(model_dir: Path, dtype: torch.dtype, cache_dir: Path) -> Path:

@@ -14,8 +14,9 @@ import os
 import socket
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from cpudist.config import DistConfig
 from cpudist.runtime.cluster import (
@@ -36,6 +37,7 @@ from cpudist.runtime.comm import (
 )
 
 log = logging.getLogger("cpudist")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -130,3 +132,13 @@ def start_process(dist: DistConfig, debug: bool = False, resume_hint: str = "") 
         os._exit(1)
     finally:
         shutdown()
+
+
+def run_apart(function: Callable[..., T], *args: Any) -> T:
+    """function(*args) in a fresh child process (spawned: no MPI, no threads inherited); its
+    result or its exception comes back. For one-time conversions whose memory should return to
+    the system when they end instead of staying in this process's allocator."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(function, args)

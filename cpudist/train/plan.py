@@ -27,7 +27,7 @@ GB = 1024**3
 
 # Fitted on the bench's peaks (see the module docstring): bytes kept per token, per layer, per
 # unit of hidden size (h) and of MLP width (i), in bf16 and in fp32 compute.
-ACTIVATION_BYTES = {"bfloat16": (22.0, 8.0), "float32": (40.0, 16.0)}
+ACTIVATION_BYTES = {"bfloat16": (26.0, 8.0), "float32": (34.0, 16.0)}
 # With checkpointing each layer keeps its input (h values); one layer is recomputed at a time.
 CHECKPOINT_KEPT = {"bfloat16": 2.0, "float32": 4.0}
 PROCESS_GB = 0.75  # python, torch, transformers, tokenizer, allocator slack
@@ -119,10 +119,17 @@ def estimate(config: Config, parts: Parts, ranks_per_node: int, node_memory: tup
     frozen: dict[str, float] = {}
     if quantize == "none":
         frozen["decoder linears"] = parts.linears * bytes_per / GB
-    else:
-        group = config.model.quantize_group
-        per_weight = 1 + bytes_per / parts.hidden if quantize == "int8" else 0.5 + 2 * bytes_per / group
-        frozen[f"decoder linears ({quantize})"] = parts.linears * per_weight / GB
+    else:  # the bytes the method stores for each linear (codes, scales, zeros)
+        import torch
+
+        from cpudist.model.quantize import METHODS
+
+        dtype = torch.bfloat16 if compute == "bfloat16" else torch.float32
+        stored = sum(torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
+                     for out, in_ in parts.linear_shapes
+                     for shape, kind in METHODS[quantize].layout(
+                         out, in_, config.model.quantize_group, dtype).values())
+        frozen[f"decoder linears ({quantize})"] = stored / GB
     tokens = config.train.batch_size * config.data.max_length
     if parts.tied:
         frozen["embedding + tied LM head"] = parts.embedding * bytes_per / GB

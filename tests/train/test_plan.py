@@ -83,3 +83,25 @@ def test_plan_command_prints_and_writes_json(tiny_qwen: Path, tmp_path: Path) ->
                   timeout=120)
     assert printed.returncode == 0 and "decoder linears (int4)" in printed.stdout
     assert "node peak" in printed.stdout and printed.stdout.strip().endswith("fits")
+
+
+def test_a_7b_on_24_gib_without_fast_bf16_needs_a_quantized_base(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    """Qwen2.5-7B's config.json alone (plan reads no weight): in fp32 (what an AVX2-only CPU
+    computes in) it cannot fit 24 GiB and plan says which bases would; in bf16 or int4 it fits."""
+    from transformers import AutoConfig
+
+    from cpudist.bench.presets import PRESETS
+
+    preset = PRESETS["qwen2.5-7b"]
+    AutoConfig.for_model(preset.model_type, **preset.config).save_pretrained(tmp_path)
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", str(24 * 1024))
+    common = [f"model.path={tmp_path}", "model.gradient_checkpointing=true", "lora.r=16",
+              "data.max_length=512", "train.batch_size=1"]
+    fp32 = make_plan(load_config(None, [*common, "model.dtype=float32"]), 1)
+    assert not fp32.fits and fp32.frozen_gb["decoder linears"] > 24
+    assert any("model.quantize=int8" in advice for advice in fp32.advice)
+    assert make_plan(load_config(None, [*common, "model.dtype=float32", "model.quantize=int4"]),
+                     1).fits
+    assert make_plan(load_config(None, [*common, "model.dtype=bfloat16"]), 1).fits
