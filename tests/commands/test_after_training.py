@@ -259,3 +259,49 @@ def test_generate_answers_with_smollm2_and_a_zero_adapter_changes_nothing(
     # What streamed to stdout is the whole answer.
     session = _session(smol_dir)
     assert generate(session, prompt_ids(session.tokenizer, question, None), 24) == answer
+
+
+def test_a_quantized_run_evaluates_and_merges_into_its_dequantized_base(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """eval and merge take model.quantize from the adapter's run; the merged model computes what
+    the quantized base plus the adapter computes (the base dequantized, not the original)."""
+    from peft import PeftModel
+
+    from cpudist.model.quantize import dequantize_linears
+
+    train_file = write_jsonl(tmp_path / "train.jsonl", _chat_rows(CHAT_ROWS * 4))
+    out = tmp_path / "run"
+    overrides = tiny_overrides(tiny_llama, train_file, out, model__quantize="int4",
+                               model__quantize_group=32, model__cache_dir=tmp_path / "cache",
+                               train__max_steps=6, train__lr=3e-2)
+    trained = run([*cpudist_cmd(), "train", *overrides])
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "decoder linears int4" in trained.stdout
+    summary = json.loads((out / "summary.json").read_text())
+
+    evaluated = run([*cpudist_cmd(), "eval", "--base", tiny_llama, "--adapter", out / "adapter",
+                     "--data", train_file, "--json"])
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "model.quantize=int4" in evaluated.stderr  # taken from the run's config
+
+    merged_dir = tmp_path / "merged"
+    merged = run([*cpudist_cmd(), "merge", "--base", tiny_llama, "--adapter", out / "adapter",
+                  "--out", merged_dir])
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    assert "model.quantize=int4" in merged.stderr
+
+    # Reference: the quantized base as training mapped it, dequantized, plus the adapter.
+    config = load_config(None, overrides)
+    from cpudist.model.load import load_for_inference
+    from cpudist.runtime.precision import choose_precision
+
+    base, _, _ = load_for_inference(config.model, None, choose_precision("float32"))
+    dequantize_linears(base)
+    reference = PeftModel.from_pretrained(base, out / "adapter")
+    ids = _ids()
+    merged_model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    torch.testing.assert_close(_logits(merged_model, ids), _logits(reference, ids), atol=1e-4,
+                               rtol=1e-4)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    assert (_logits(merged_model, ids) - _logits(plain, ids)).abs().max() > 1e-3
+    assert summary["steps"] == 6
