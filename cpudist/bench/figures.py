@@ -75,18 +75,46 @@ def batch_sample_lengths(batch: Batch) -> list[int]:
     return lengths
 
 
-def gemm_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 4) -> float:
-    """Best FLOP/s of a size^3 matmul in dtype with this process's threads (the bench calls it
-    before and after the timed steps and keeps the maximum: this machine's peak drifts)."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    torch.mm(a, b)  # first call picks kernels
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = max(best, 2 * size**3 / (time.perf_counter() - start))
-    return best
+class GemmPeak:
+    """This machine's matmul peak in a dtype, measured the way MFU needs it: on a square GEMM and on
+    the model's own shapes, probed several times through a run (this VM's peak drifts by 2x over
+    minutes), the best probe kept. An achieved rate above it marks the run's MFU invalid."""
+
+    def __init__(self, dtype: torch.dtype, shapes: list[tuple[int, int, int]] | None = None,
+                 repeats: int = 3) -> None:
+        self.dtype = dtype
+        self.repeats = repeats
+        shapes = [(2048, 2048, 2048), *(shapes or [])]
+        generator = torch.Generator().manual_seed(0)
+        self.operands = [(torch.randn(m, k, generator=generator).to(dtype),
+                          torch.randn(k, n, generator=generator).to(dtype)) for m, k, n in shapes]
+        self.outputs = [torch.empty(m, n, dtype=dtype) for m, _, n in shapes]
+        self.samples: list[float] = []  # best FLOP/s of each probe
+
+    def probe(self) -> float:
+        best = 0.0
+        for (a, b), out in zip(self.operands, self.outputs, strict=True):
+            torch.mm(a, b, out=out)  # first call picks kernels
+            flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            for _ in range(self.repeats):
+                start = time.perf_counter()
+                torch.mm(a, b, out=out)
+                best = max(best, flops / (time.perf_counter() - start))
+        self.samples.append(best)
+        return best
+
+    @property
+    def best(self) -> float:
+        return max(self.samples)
+
+
+def model_gemm_shapes(peft_model: nn.Module, tokens: int) -> list[tuple[int, int, int]]:
+    """(m, k, n) of the model's MLP matmuls for `tokens` rows: the shapes most of a step runs."""
+    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+    config = base.config
+    hidden = config.hidden_size
+    inner = getattr(config, "intermediate_size", 4 * hidden)
+    return [(tokens, hidden, inner), (tokens, inner, hidden)]
 
 
 def padding_fraction(batches: list[Batch]) -> float:
@@ -101,7 +129,10 @@ FIGURES = [("tokens_per_s", "tokens/s", "{:.1f}"), ("label_tokens_per_s", "label
            ("s_per_step_median", "median s/step", "{:.2f}"),
            ("label_tokens_per_s_best_step", "label tokens/s, best step", "{:.1f}"),
            ("peak_rss_gb", "peak RSS GB (max rank)", "{:.2f}"), ("node_pss_gb", "node PSS GB", "{:.2f}"),
-           ("mfu", "MFU", "{:.1%}"), ("padding_fraction", "padding", "{:.1%}")]
+           ("mfu", "MFU", "{:.1%}"), ("padding_fraction", "padding", "{:.1%}"),
+           ("comm_mb_per_step", "allreduce MB/step", "{:.1f}"),
+           ("comm_exposed_s_per_step", "exposed allreduce s/step", "{:.3f}"),
+           ("wait_for_slowest_s", "wait for slowest rank s (max rank)", "{:.3f}")]
 
 
 def figure(result: dict[str, Any], key: str) -> float:
@@ -109,17 +140,22 @@ def figure(result: dict[str, Any], key: str) -> float:
     return max(value) if isinstance(value, list) else float(value)
 
 
-def format_table(results: dict[str, dict[str, Any]], ratio_of: tuple[str, str] | None = None) -> str:
-    """A markdown table: one column per result (and a ratio column)."""
+def format_table(results: dict[str, dict[str, Any]],
+                 ratios: list[tuple[str, str]] | None = None) -> str:
+    """A markdown table: one column per result, and one per ratio (a / b) asked for."""
     names = list(results)
-    header = ["figure", *names] + ([f"{ratio_of[0]} / {ratio_of[1]}"] if ratio_of else [])
+    ratios = ratios or []
+    header = ["figure", *names, *(f"{a} / {b}" for a, b in ratios)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key, label, fmt in FIGURES:
         if not all(key in r for r in results.values()):
             continue
-        cells = [fmt.format(figure(results[name], key)) for name in names]
-        if ratio_of:
-            a, b = figure(results[ratio_of[0]], key), figure(results[ratio_of[1]], key)
+        cells = [fmt.format(figure(results[name], key))
+                 + (" (invalid: above the measured peak)"
+                    if key == "mfu" and results[name].get("mfu_valid") is False else "")
+                 for name in names]
+        for a_name, b_name in ratios:
+            a, b = figure(results[a_name], key), figure(results[b_name], key)
             cells.append(f"{a / b:.2f}x" if b else "-")
         lines.append("| " + " | ".join([label, *cells]) + " |")
     first = next(iter(results.values()))

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
-    from cpudist.bench.figures import flop_model, gemm_peak
+    from cpudist.bench.figures import GemmPeak, flop_model, model_gemm_shapes
     from cpudist.runtime.allocator import in_use as allocator_in_use
     from cpudist.runtime.memory import PssSampler, peak_rss_gb
     from cpudist.runtime.precision import choose_precision
@@ -155,14 +155,16 @@ def main(argv: list[str] | None = None) -> int:
                 callbacks=[clock]).train()
         return clock
 
-    peaks = [gemm_peak(precision.compute_dtype)]
+    gemm = GemmPeak(precision.compute_dtype,
+                    model_gemm_shapes(model, tc.batch_size * config.data.max_length))
+    peaks = [gemm.probe()]
     with tempfile.TemporaryDirectory(prefix="hf-baseline-") as tmp, PssSampler() as pss:
         # Warm-up and timed steps are two trainings of the same model, so that the timed one is
         # exactly one epoch (HF's random sampler) over the set cpudist times.
         if args.warmup:
             train(args.warmup, tmp)
         clock = train(args.steps, tmp)
-    peaks.append(gemm_peak(precision.compute_dtype))
+    peaks.append(gemm.probe())
     # From one step's end to the next (collation included, as in cpudist's bench); the first timed
     # step from its own begin (HF fetches its batches just before: a few ms in HF's favour).
     timed = [clock.ends[0] - clock.begins[0],
@@ -185,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         "label_tokens_per_s_best_step": max(
             sum(lab for _, lab, _ in step) / t for step, t in zip(per_step, timed, strict=True)),
         "peak_rss_gb": [peak_rss_gb()], "node_pss_gb": pss.peak / 1024**3,
-        "mfu": model_flops / wall / peak, "model_tflops": model_flops / wall / 1e12,
+        "mfu": model_flops / wall / peak, "mfu_valid": model_flops / wall <= peak,
+        "model_tflops": model_flops / wall / 1e12,
         "peak_tflops": peak / 1e12, "peak_samples_tflops": [p / 1e12 for p in peaks],
         "padding_fraction": 1.0 - sum(lengths) / cells if cells else 0.0,
         "dtype": precision.describe(), "threads": torch.get_num_threads(), "world_size": 1,

@@ -24,6 +24,7 @@ class BenchArgs:
     seq_len: int | None
     dtype: str | None
     threads: int | None
+    profile: bool = False
 
     def flags(self) -> list[str]:
         """The same settings as `cpudist bench` flags (for the bench run in another process)."""
@@ -33,7 +34,7 @@ class BenchArgs:
                             ("--dtype", self.dtype), ("--threads", self.threads)):
             if value is not None:
                 flags += [flag, str(value)]
-        return flags
+        return flags + (["--profile"] if self.profile else [])
 
 
 def bench_config(config_path: str | None, overrides: list[str], args: BenchArgs) -> Config:

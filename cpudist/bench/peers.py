@@ -16,6 +16,7 @@ from cpudist.bench.child import child_env, run_json
 from cpudist.bench.figures import FIGURES, figure
 from cpudist.bench.options import BenchArgs
 from cpudist.config import Config
+from cpudist.runtime.allocator import choose_allocator, requested
 
 # --vs name -> the program that runs that peer on a resolved config file and BenchArgs flags.
 PEERS = {"hf": ("Hugging Face Trainer + PEFT", [sys.executable, "-m", "cpudist.bench.hf_peer"])}
@@ -25,24 +26,35 @@ def run_vs(peer: str, config: Config, args: BenchArgs, rounds: int, allocator: s
            peer_allocator: str) -> dict[str, Any]:
     """Alternate cpudist and peer runs; best figures of each (by tokens/s), and their ratios.
 
-    Each side runs on its own allocator: cpudist's (default auto, as `cpudist train` runs) and
-    peer_allocator (default none: glibc malloc, as HF Trainer runs unless a user preloads one).
+    The peer runs twice a round: on its own allocator (peer_allocator, default none: glibc
+    malloc, as HF Trainer runs unless a user preloads one) and on cpudist's, so that both ratios
+    (as each ships, and the same malloc on both sides) come from one command.
     """
     name, program = PEERS[peer]
+    same = f"{peer} (same malloc)"
+    ours_name, _ = choose_allocator(requested(allocator))
+    peer_name, _ = choose_allocator(requested(peer_allocator))
+    sides = {"cpudist": (allocator, "cpudist bench"), peer: (peer_allocator, name)}
+    if peer_name != ours_name:
+        sides[same] = (allocator, f"{name}, on cpudist's malloc")
     # The resolved config already holds every bench flag that is a setting (batch, length,
     # dtype, threads, the preset's directory); the rest is what to time.
     timing = ["--data", args.data, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    runs: dict[str, list[dict[str, Any]]] = {"cpudist": [], peer: []}
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="cpudist-vs-") as tmp:
         resolved = Path(tmp) / "config.yaml"
         resolved.write_text(config.to_yaml())
-        ours = [sys.executable, "-m", "cpudist.cli", "bench", str(resolved), *timing]
-        theirs = [*program, str(resolved), *timing]
-        env, peer_env = child_env(allocator), child_env(peer_allocator)
+        commands = {side: ([sys.executable, "-m", "cpudist.cli", "bench", str(resolved), *timing]
+                           if side == "cpudist" else [*program, str(resolved), *timing])
+                    for side in sides}
         for _ in range(rounds):
-            runs["cpudist"].append(run_json(ours, env, "cpudist bench"))
-            runs[peer].append(run_json(theirs, peer_env, name))
+            for side, (side_allocator, what) in sides.items():
+                runs[side].append(run_json(commands[side], child_env(side_allocator), what))
     best = {side: max(items, key=lambda r: r["tokens_per_s"]) for side, items in runs.items()}
-    ratios = {key: figure(best["cpudist"], key) / figure(best[peer], key)
-              for key, _, _ in FIGURES if key in best[peer] and figure(best[peer], key)}
-    return {"cpudist": best["cpudist"], peer: best[peer], "ratios": ratios, "rounds": runs}
+    outcome: dict[str, Any] = {**best, "rounds": runs, "peer": peer}
+    for side, key in ((peer, "ratios"), (same, "ratios_same_malloc")):
+        if side in best:
+            outcome[key] = {k: figure(best["cpudist"], k) / figure(best[side], k)
+                            for k, _, _ in FIGURES
+                            if k in best[side] and k in best["cpudist"] and figure(best[side], k)}
+    return outcome

@@ -18,7 +18,7 @@ import statistics
 import time
 from typing import Any
 
-from cpudist.bench.figures import batch_sample_lengths, flop_model, gemm_peak
+from cpudist.bench.figures import GemmPeak, batch_sample_lengths, flop_model, model_gemm_shapes
 from cpudist.bench.options import BenchArgs
 from cpudist.bench.samples import bench_samples, bench_step_position
 from cpudist.config import Config
@@ -56,13 +56,17 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
     rss_loaded = peak_rss_gb()
     precision = engine.session.precision
     flops = flop_model(engine.model)
+    tokens = tc.batch_size * config.data.max_length
+    gemm = GemmPeak(precision.compute_dtype, model_gemm_shapes(engine.model, tokens))
 
     def peak() -> float:
         barrier(placement)
-        (total,) = allreduce([gemm_peak(precision.compute_dtype)], placement)
+        (total,) = allreduce([gemm.probe()], placement)
         return total  # all ranks ran at once: the node's peak
 
     peaks = [peak()]
+    comm: list[dict[str, float]] = []
+    waits: list[float] = []
     step_times: list[float] = []
     step_labels: list[float] = []
     fed = labels = model_flops = 0.0
@@ -70,8 +74,10 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
     timed_batches: list[Batch] = []
     with PssSampler() as pss:
         for step in range(total_steps):
-            barrier(placement)
+            waiting = time.perf_counter()
+            barrier(placement)  # this rank's wait for the slowest one of the previous step
             started = time.perf_counter()
+            engine.comm.take()
             epoch, index = bench_step_position(step, args.warmup, engine.batches.steps_per_epoch)
             micro = engine.micro_batches(epoch, index)
             lengths = [n for b in micro for n in batch_sample_lengths(b)]
@@ -79,7 +85,11 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
                 [flops.step_flops(lengths, sum(b.label_tokens for b in micro))], placement)
             result = engine.step(micro)
             elapsed = time.perf_counter() - started
+            step_comm = engine.comm.take()
+            if step > args.warmup:
+                waits.append(started - waiting)
             if step >= args.warmup:
+                comm.append(step_comm)
                 step_times.append(elapsed)
                 step_labels.append(result.label_tokens)
                 fed += result.tokens
@@ -89,7 +99,18 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
                 timed_batches += micro
             log.info("bench step %d/%d%s: %.2f s, loss %.4f", step + 1, total_steps,
                      " (warm-up)" if step < args.warmup else "", elapsed, result.loss)
+            if step >= args.warmup and step < total_steps - 1:
+                peaks.append(peak())  # probes spread through the run, outside the timed steps
     peaks.append(peak())
+    profile = None
+    if args.profile:
+        from cpudist.bench.profile import profile_step
+
+        epoch, index = bench_step_position(total_steps - 1, args.warmup,
+                                           engine.batches.steps_per_epoch)
+        micro = engine.micro_batches(epoch, index)
+        profile = profile_step(lambda: engine.step(micro))
+    waits_all = all_gather(waits, placement)
     pad_cells, pad_real = allreduce([float(sum(b.input_ids.numel() for b in timed_batches)),
                                      float(sum(b.tokens for b in timed_batches))], placement)
     per_rank = all_gather((socket.gethostname(), peak_rss_gb(), pss.peak / 1024**3), placement)
@@ -100,6 +121,10 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
     for host, _, pss_gb in per_rank:
         node_pss[host] = node_pss.get(host, 0.0) + pss_gb
     peak_flops = max(peaks)
+    achieved = model_flops / wall
+    comm_bytes = sum(c["bytes"] for c in comm) / max(1, len(comm))
+    comm_busy = sum(c["busy_s"] for c in comm)
+    world = placement.world_size
     return {
         "tokens_per_s": fed / wall, "label_tokens_per_s": labels / wall,
         "samples_per_s": sample_count / wall, "s_per_step": wall / len(step_times),
@@ -111,9 +136,20 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
         # Setup of rank 0 (model, data, optimizer, DDP) and its peak RSS by then.
         "load_s": load_s, "peak_rss_after_load_gb": rss_loaded,
         "node_pss_gb": max(node_pss.values()),
-        "mfu": model_flops / wall / peak_flops,
-        "model_tflops": model_flops / wall / 1e12, "peak_tflops": peak_flops / 1e12,
+        "mfu": achieved / peak_flops,
+        # Achieved above the best probe: the probes missed the peak (or the FLOP model is off),
+        # so the MFU would be a figure that cannot be; tables mark it.
+        "mfu_valid": achieved <= peak_flops,
+        "model_tflops": achieved / 1e12, "peak_tflops": peak_flops / 1e12,
         "peak_samples_tflops": [p / 1e12 for p in peaks],
+        # Gradient allreduce per timed step (cpudist.runtime.comm.CommMeter) and each rank's
+        # wait at the step boundary for the slowest rank.
+        "comm_mb_per_step": comm_bytes / 1e6,
+        "comm_exposed_s_per_step": sum(c["exposed_s"] for c in comm) / max(1, len(comm)),
+        "comm_bus_gbps": (comm_bytes * len(comm) * 2 * (world - 1) / world / comm_busy / 1e9
+                          if comm_busy > 0 else 0.0),
+        "wait_for_slowest_s": [statistics.mean(w) if w else 0.0 for w in waits_all],
+        "profile": profile,
         "padding_fraction": 0.0 if pad_cells == 0 else 1.0 - pad_real / pad_cells,
         "dtype": precision.describe(), "threads": process.threads,
         "world_size": placement.world_size, "steps": args.steps, "warmup_steps": args.warmup,

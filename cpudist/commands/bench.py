@@ -9,6 +9,7 @@ from pathlib import Path
 from cpudist.bench.options import DATA_KINDS, BenchArgs
 from cpudist.bench.presets import PRESETS
 from cpudist.commands.common import add_settings, split_settings
+from cpudist.config import Config
 from cpudist.errors import UserError
 from cpudist.runtime.allocator import CHOICES as ALLOCATORS
 
@@ -38,6 +39,10 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
                              "else auto = jemalloc when installed); --hf-allocator sets HF's")
     parser.add_argument("--json", type=Path,
                         help="write the result here (bench: - prints it as one line on stdout)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step: where its time goes (GEMM, attention, "
+                             "element-wise, casts, optimizer, communication, Python), as a table "
+                             "and a picture beside --json")
 
 
 def bench_args(ns: argparse.Namespace) -> tuple[str | None, list[str], BenchArgs]:
@@ -50,7 +55,8 @@ def bench_args(ns: argparse.Namespace) -> tuple[str | None, list[str], BenchArgs
     if ns.warmup < 0:
         raise UserError(f"--warmup {ns.warmup}: must be 0 or more")
     return config_path, overrides, BenchArgs(ns.preset, ns.layers, ns.data, ns.steps, ns.warmup,
-                                             ns.batch_size, ns.seq_len, ns.dtype, ns.threads)
+                                             ns.batch_size, ns.seq_len, ns.dtype, ns.threads,
+                                             ns.profile)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,31 +64,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vs", choices=["hf"], help="also run Hugging Face Trainer + PEFT on the "
                         "same model, data and settings (separate processes) and print ratios")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="with --vs: alternate cpudist/HF this many times, keep the best")
+                        help="run this many times (each in its own process) and report every "
+                             "run's MFU and tokens/s with their spread; with --vs, alternate "
+                             "cpudist and HF and keep the best of each")
     parser.add_argument("--hf-allocator", default="none", choices=ALLOCATORS,
                         help="with --vs: malloc of the HF side (default none: glibc malloc, as HF "
                              "Trainer runs unless you preload one; auto gives it cpudist's)")
 
 
 def run(ns: argparse.Namespace) -> int:
-    from cpudist.bench.figures import FIGURES, format_table
+    from cpudist.bench.figures import format_table
     from cpudist.bench.options import bench_config
 
     config_path, overrides, args = bench_args(ns)
+    if ns.rounds < 1:
+        raise UserError(f"--rounds {ns.rounds}: must be at least 1")
     config = bench_config(config_path, overrides, args)
     if ns.vs:
-        from cpudist.bench.peers import run_vs
-        from cpudist.report.plots import write_vs_plot
-
-        outcome = run_vs(ns.vs, config, args, ns.rounds, ns.allocator, ns.hf_allocator)
-        print(format_table({"cpudist": outcome["cpudist"], ns.vs: outcome[ns.vs]},
-                           ratio_of=("cpudist", ns.vs)))
-        if ns.json:
-            ns.json.write_text(json.dumps(outcome, indent=1))
-            png = write_vs_plot(outcome, {key: label for key, label, _ in FIGURES},
-                                "HF Trainer+PEFT", ns.json.with_suffix(".png"))
-            print(f"written: {ns.json}, {png}")
-        return 0
+        return _run_vs(ns, config, args)
+    if ns.rounds > 1:
+        return _run_rounds(ns, config, args)
     from cpudist.bench.child import print_result
     from cpudist.bench.run import run_bench
 
@@ -90,8 +91,73 @@ def run(ns: argparse.Namespace) -> int:
     if result is None:  # not rank 0
         return 0
     print(format_table({"cpudist": result}))
+    if result.get("profile"):
+        _show_profile(result["profile"], ns.json)
     if ns.json == Path("-"):
         print_result(result)
     elif ns.json:
         ns.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _show_profile(profile: dict, json_path: Path | None) -> None:
+    from cpudist.bench.profile import profile_table
+
+    print()
+    print(profile_table(profile))
+    if json_path and json_path != Path("-"):
+        from cpudist.report.plots import write_profile_plot
+
+        png = write_profile_plot(profile, json_path.with_name(json_path.stem + "-profile.png"))
+        print(f"written: {png}")
+
+
+def _run_vs(ns: argparse.Namespace, config: Config, args: BenchArgs) -> int:
+    from cpudist.bench.figures import FIGURES, format_table
+    from cpudist.bench.peers import run_vs
+    from cpudist.report.plots import write_vs_plot
+
+    outcome = run_vs(ns.vs, config, args, ns.rounds, ns.allocator, ns.hf_allocator)
+    sides = [side for side in outcome if side in ("cpudist", ns.vs, f"{ns.vs} (same malloc)")]
+    print(format_table({side: outcome[side] for side in sides},
+                       ratios=[("cpudist", side) for side in sides[1:]]))
+    if ns.json:
+        ns.json.write_text(json.dumps(outcome, indent=1))
+        png = write_vs_plot(outcome, {key: label for key, label, _ in FIGURES},
+                            "HF Trainer+PEFT", ns.json.with_suffix(".png"))
+        print(f"written: {ns.json}, {png}")
+    return 0
+
+
+def _run_rounds(ns: argparse.Namespace, config: Config, args: BenchArgs) -> int:
+    """The bench `--rounds` times, each in its own process; every run's figures and their spread."""
+    import statistics
+    import sys
+    import tempfile
+
+    from cpudist.bench.child import child_env, run_json
+
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="cpudist-rounds-") as tmp:
+        resolved = Path(tmp) / "config.yaml"
+        resolved.write_text(config.to_yaml())
+        timing = ["--data", args.data, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        for _ in range(ns.rounds):
+            runs.append(run_json([sys.executable, "-m", "cpudist.cli", "bench", str(resolved),
+                                  *timing], child_env(ns.allocator), "cpudist bench"))
+    lines = ["| run | tokens/s | s/step | MFU | GEMM peak TFLOP/s |", "|---:|---:|---:|---:|---:|"]
+    for number, r in enumerate(runs, start=1):
+        mark = "" if r["mfu_valid"] else " (invalid)"
+        lines.append(f"| {number} | {r['tokens_per_s']:.1f} | {r['s_per_step']:.2f} | "
+                     f"{r['mfu']:.1%}{mark} | {r['peak_tflops']:.3f} |")
+    valid = [r["mfu"] for r in runs if r["mfu_valid"]]
+    summary = {"runs": runs, "mfu_median": statistics.median(valid) if valid else None,
+               "mfu_min": min(valid, default=None), "mfu_max": max(valid, default=None),
+               "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in runs)}
+    print("\n".join(lines))
+    if valid:
+        print(f"\nMFU over {len(valid)} valid run(s): median {summary['mfu_median']:.1%} "
+              f"(min {summary['mfu_min']:.1%}, max {summary['mfu_max']:.1%})")
+    if ns.json:
+        ns.json.write_text(json.dumps(summary, indent=1))
     return 0

@@ -295,17 +295,46 @@ def write_scaling_report(rows: list[dict[str, Any]], out_dir: Path) -> tuple[Pat
 
 def write_vs_plot(outcome: dict[str, Any], labels: dict[str, str], peer: str, path: Path) -> Path:
     """Bar chart of cpudist / peer for each figure of a `bench --vs` outcome (above 1 = cpudist
-    higher). labels: figure key -> its name in the table."""
+    higher), as the peer ships and, when measured, on cpudist's malloc too. labels: figure key
+    -> its name in the table."""
     plt = _pyplot()
     keys = [k for k in outcome["ratios"] if k != "padding_fraction"]
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    bars = ax.bar([labels[k] for k in keys], [outcome["ratios"][k] for k in keys])
-    ax.bar_label(bars, fmt="%.2fx")
+    series = [("as each ships", outcome["ratios"])]
+    if "ratios_same_malloc" in outcome:
+        series.append(("same malloc", outcome["ratios_same_malloc"]))
+    width = 0.8 / len(series)
+    for number, (label, ratios) in enumerate(series):
+        xs = [i + (number - (len(series) - 1) / 2) * width for i in range(len(keys))]
+        bars = ax.bar(xs, [ratios.get(k, 0.0) for k in keys], width, label=label)
+        ax.bar_label(bars, fmt="%.2fx", fontsize=7)
+    ax.set_xticks(range(len(keys)), [labels[k] for k in keys])
+    if len(series) > 1:
+        ax.legend(fontsize=8)
     ax.axhline(1.0, color="grey", linestyle="--")
     ax.set_ylabel(f"cpudist / {peer}")
     ax.set_title(f"cpudist vs {peer}: {outcome['cpudist']['data'].split(':')[0]}, "
                  f"{outcome['cpudist']['dtype'].split(':')[0]}")
     ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_profile_plot(profile: dict[str, Any], path: Path) -> Path:
+    """Horizontal bars: milliseconds of one step per category (`bench --profile`)."""
+    plt = _pyplot()
+    names = list(profile["categories_ms"])
+    values = [profile["categories_ms"][n] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    bars = ax.barh(names[::-1], values[::-1])
+    wall = profile["wall_ms"]
+    ax.bar_label(bars, labels=[f"{v:.0f} ms ({100 * v / wall:.0f} %)" for v in values[::-1]],
+                 fontsize=8)
+    ax.set_xlabel("ms of one training step")
+    ax.set_title(f"where one step's {wall:.0f} ms went")
+    ax.set_xlim(0, max(values) * 1.35 if values else 1)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

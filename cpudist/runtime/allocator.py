@@ -15,43 +15,78 @@ neither library is installed (apt-get install libjemalloc2).
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
+import shutil
+import subprocess
 import sys
+import sysconfig
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from cpudist.errors import UserError
 
-Allocator = Literal["auto", "jemalloc", "tcmalloc", "none"]
-CHOICES: tuple[Allocator, ...] = ("auto", "jemalloc", "tcmalloc", "none")
+Allocator = Literal["auto", "mimalloc", "jemalloc", "tcmalloc", "none"]
+CHOICES: tuple[Allocator, ...] = ("auto", "mimalloc", "jemalloc", "tcmalloc", "none")
 ENV = "CPUDIST_ALLOCATOR"
 # Set in the environment of the process run again, so a preload that fails can never loop.
 _REEXECUTED = "CPUDIST_ALLOCATOR_REEXECUTED"
-JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
-LIBRARY_NAMES = {"jemalloc": ("libjemalloc.so", "libjemalloc.so.2"),
-                 "tcmalloc": ("libtcmalloc.so", "libtcmalloc_minimal.so")}
+
+
+@dataclass(frozen=True)
+class Library:
+    patterns: tuple[str, ...]  # file names to look for, best first
+    settings: dict[str, str]  # variables that tune it the way cpudist wants
+    apt: str  # where a system copy comes from
+
+
+LIBRARIES: dict[str, Library] = {
+    # Ships with cpudist (the cmeel-mimalloc wheel, a dependency); freed pages are kept for reuse.
+    "mimalloc": Library(("libmimalloc.so.3", "libmimalloc.so*"), {"MIMALLOC_PURGE_DELAY": "-1"},
+                        "libmimalloc2.0"),
+    "jemalloc": Library(("libjemalloc.so.2", "libjemalloc.so*"),
+                        {"MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}, "libjemalloc2"),
+    "tcmalloc": Library(("libtcmalloc.so*", "libtcmalloc_minimal.so*"), {},
+                        "libgoogle-perftools4"),
+}
+AUTO_ORDER = ("mimalloc", "jemalloc", "tcmalloc")
+JEMALLOC_CONF = LIBRARIES["jemalloc"].settings["MALLOC_CONF"]
 
 
 def _lib_dirs() -> list[Path]:
     machine = platform.machine()
-    dirs = [Path(sys.prefix) / "lib", Path(f"/usr/lib/{machine}-linux-gnu"),
-            Path(f"/lib/{machine}-linux-gnu"), Path("/usr/lib64"), Path("/usr/local/lib"),
-            Path("/usr/lib"), Path("/lib64")]
+    # The wheel's own prefix first (cmeel-mimalloc installs its library there).
+    dirs = [Path(sysconfig.get_paths()["purelib"]) / "cmeel.prefix" / "lib", Path(sys.prefix) / "lib",
+            Path(f"/usr/lib/{machine}-linux-gnu"), Path(f"/lib/{machine}-linux-gnu"),
+            Path("/usr/lib64"), Path("/usr/local/lib"), Path("/usr/lib"), Path("/lib64")]
     return [d for d in dirs if d.is_dir()]
 
 
+@functools.cache
+def _loads(path: str) -> bool:
+    """Whether the library preloads here: one with a missing dependency (mimalloc needs
+    libatomic.so.1) would kill every process started with it. Checked by preloading it into a
+    tiny program, as it will be used (dlopen would refuse jemalloc's static TLS anyway)."""
+    true = shutil.which("true") or "/bin/true"
+    try:
+        done = subprocess.run([true], env={**os.environ, "LD_PRELOAD": path}, capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0 and "ld.so" not in done.stderr
+
+
 def find_allocator(name: str, dirs: Sequence[Path] | None = None) -> str | None:
-    """Path of libjemalloc / libtcmalloc(_minimal) in the usual places, or None."""
-    patterns = {"jemalloc": ["libjemalloc.so*"],
-                "tcmalloc": ["libtcmalloc.so*", "libtcmalloc_minimal.so*"]}[name]
+    """Path of the allocator's library in the usual places (one that loads), or None."""
     for directory in dirs if dirs is not None else _lib_dirs():
-        for pattern in patterns:
+        for pattern in LIBRARIES[name].patterns:
             # Shortest name first: prefer libjemalloc.so.2 over libjemalloc.so.2.debug-like names.
-            matches = sorted(directory.glob(pattern), key=lambda p: (len(p.name), p.name))
-            if matches:
-                return str(matches[0])
+            for match in sorted(directory.glob(pattern), key=lambda p: (len(p.name), p.name)):
+                if _loads(str(match)):
+                    return str(match)
     return None
 
 
@@ -63,17 +98,17 @@ def choose_allocator(request: str, dirs: Sequence[Path] | None = None
     if request == "none":
         return None, None
     if request == "auto":
-        for name in ("jemalloc", "tcmalloc"):
+        for name in AUTO_ORDER:
             lib = find_allocator(name, dirs)
             if lib:
                 return name, lib
         return None, None
     lib = find_allocator(request, dirs)
     if lib is None:
-        package = {"jemalloc": "libjemalloc2", "tcmalloc": "libgoogle-perftools4"}[request]
         raise UserError(
-            f"allocator {request}: lib{request} not found in {', '.join(map(str, _lib_dirs()))}; "
-            f"install it (apt-get install {package}) or use auto or none")
+            f"allocator {request}: lib{request} not found (or does not load) in "
+            f"{', '.join(map(str, _lib_dirs()))}; install it (apt-get install "
+            f"{LIBRARIES[request].apt}) or use auto or none")
     return request, lib
 
 
@@ -83,18 +118,18 @@ def requested(explicit: str | None = None, environ: Mapping[str, str] | None = N
 
 
 def _is_allocator(entry: str) -> bool:
-    return any(Path(entry).name.startswith(prefix)
-               for names in LIBRARY_NAMES.values() for prefix in names)
+    return any(Path(entry).match(pattern)
+               for library in LIBRARIES.values() for pattern in library.patterns)
 
 
 def preload_env(name: str | None, lib: str | None, ld_preload: str | None) -> dict[str, str]:
     """Variables that make a new process run on allocator `name` at `lib` (None: glibc malloc):
-    LD_PRELOAD (other preloads kept after it, other allocators dropped), MALLOC_CONF for jemalloc,
-    and ENV so a cpudist command started with them keeps this choice."""
+    LD_PRELOAD (other preloads kept after it, other allocators dropped), its settings (keep
+    freed pages for reuse), and ENV so a cpudist command started with them keeps this choice."""
     kept = [e for e in (ld_preload or "").split(":") if e and not _is_allocator(e)]
     env = {ENV: name or "none", "LD_PRELOAD": ":".join([lib, *kept] if lib else kept)}
-    if name == "jemalloc":
-        env["MALLOC_CONF"] = JEMALLOC_CONF
+    if name is not None:
+        env.update(LIBRARIES[name].settings)
     return env
 
 
@@ -104,11 +139,17 @@ def in_use(maps: Path = Path("/proc/self/maps")) -> str:
         text = maps.read_text()
     except OSError:
         return "unknown"
-    for name, prefixes in LIBRARY_NAMES.items():
-        if any(f"/{prefix}" in text for prefix in prefixes):
-            conf = os.environ.get("MALLOC_CONF", "")
-            return f"{name} ({conf})" if conf and name == "jemalloc" else name
+    for name, library in LIBRARIES.items():
+        if any(Path(path).match(pattern) for path in _mapped_paths(text)
+               for pattern in library.patterns):
+            settings = ",".join(f"{key}={os.environ[key]}" for key in library.settings
+                                if key in os.environ)
+            return f"{name} ({settings})" if settings else name
     return "glibc malloc"
+
+
+def _mapped_paths(maps_text: str) -> set[str]:
+    return {line.split()[-1] for line in maps_text.splitlines() if "/" in line}
 
 
 def ensure(request: str | None = None, environ: Mapping[str, str] | None = None) -> None:

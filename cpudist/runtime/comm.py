@@ -114,6 +114,65 @@ def mpi_allreduce_hook(nonblocking: bool = False) -> Any:
     return hook
 
 
+# --------------------------------------------------------------------------- measured allreduce
+
+
+class CommMeter:
+    """What the gradient allreduce of each optimizer step cost, measured by wrapping DDP's
+    communication hook (one definition, used by the bench's figures and its --profile):
+
+    - bytes: gradient bytes allreduced by this rank;
+    - exposed_s: communication not hidden behind backward, from the moment the last bucket was
+      handed over (backward's compute is done) to the moment the last allreduce completed;
+    - busy_s: from the first bucket's hand-over to the last completion (allreduce in flight).
+    `take()` returns the figures gathered since the previous call and starts again."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.first_launch: float | None = None
+        self.last_launch = 0.0
+        self.last_done = 0.0
+        self._lock = threading.Lock()
+
+    def wrap(self, hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        import functools
+        import time
+
+        @functools.wraps(hook)
+        def measured(state: Any, bucket):  # type: ignore[no-untyped-def]  # see mpi_allreduce_hook
+            now = time.perf_counter()
+            with self._lock:
+                self.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+                self.first_launch = now if self.first_launch is None else self.first_launch
+                self.last_launch = now
+            future = hook(state, bucket)
+
+            def done(result: Any) -> Any:
+                with self._lock:
+                    self.last_done = max(self.last_done, time.perf_counter())
+                return result.value()
+
+            return future.then(done)
+
+        return measured
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            figures = {"bytes": float(self.bytes), "exposed_s": 0.0, "busy_s": 0.0}
+            if self.first_launch is not None:
+                figures["exposed_s"] = max(0.0, self.last_done - self.last_launch)
+                figures["busy_s"] = max(0.0, self.last_done - self.first_launch)
+            self.bytes, self.first_launch, self.last_launch, self.last_done = 0, None, 0.0, 0.0
+        return figures
+
+
+def default_allreduce_hook() -> Any:
+    """DDP's own gradient averaging, as a hook (so that CommMeter can wrap it)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    return allreduce_hook
+
+
 # --------------------------------------------------------------------------- small collectives
 
 

@@ -9,14 +9,38 @@ import pytest
 from cpudist.errors import UserError
 
 
-def test_choose_allocator(tmp_path: Path) -> None:
-    (tmp_path / "libtcmalloc_minimal.so.4").write_text("")
+def _shipped_mimalloc() -> Path:
+    from cpudist.runtime.allocator import find_allocator
+
+    found = find_allocator("mimalloc")
+    if found is None:
+        pytest.skip("cmeel-mimalloc (a dependency of cpudist) is not installed")
+    return Path(found)
+
+
+def test_mimalloc_comes_with_the_install_and_auto_takes_it() -> None:
     from cpudist.runtime.allocator import choose_allocator
 
+    library = _shipped_mimalloc()
+    assert "cmeel.prefix" in str(library)
+    assert choose_allocator("auto") == ("mimalloc", str(library))
+
+
+def test_choose_allocator(tmp_path: Path) -> None:
+    import shutil
+
+    from cpudist.runtime.allocator import choose_allocator
+
+    # A real preloadable malloc under other allocators' names: the search order is tested, and
+    # every candidate is preloaded into a tiny program before it is chosen.
+    real = _shipped_mimalloc()
+    shutil.copy(real, tmp_path / "libtcmalloc_minimal.so.4")
     assert choose_allocator("auto", [tmp_path]) == (
         "tcmalloc", str(tmp_path / "libtcmalloc_minimal.so.4"))
-    (tmp_path / "libjemalloc.so.2").write_text("")
+    shutil.copy(real, tmp_path / "libjemalloc.so.2")
     assert choose_allocator("auto", [tmp_path])[0] == "jemalloc"
+    shutil.copy(real, tmp_path / "libmimalloc.so.3")
+    assert choose_allocator("auto", [tmp_path])[0] == "mimalloc"
     assert choose_allocator("none", [tmp_path]) == (None, None)
     assert choose_allocator("auto", []) == (None, None)
     with pytest.raises(UserError, match="apt-get install libjemalloc2"):
@@ -40,3 +64,12 @@ def test_preload_env_swaps_allocators_and_keeps_other_preloads(tmp_path: Path) -
     assert in_use(maps) == "tcmalloc"
 
 
+
+
+def test_a_library_that_does_not_preload_is_never_chosen(tmp_path: Path) -> None:
+    from cpudist.runtime.allocator import choose_allocator
+
+    (tmp_path / "libjemalloc.so.2").write_bytes(b"not an ELF file")  # would break every process
+    assert choose_allocator("auto", [tmp_path]) == (None, None)
+    with pytest.raises(UserError, match="not found \\(or does not load\\)"):
+        choose_allocator("jemalloc", [tmp_path])

@@ -1,0 +1,87 @@
+"""`cpudist bench --profile`: where one training step's time goes.
+
+One extra step runs under torch.profiler after the timed ones. Every operator's own time (its
+time minus its children's) is put in one category: the matrix multiplies (GEMM), attention (the
+SDPA kernels and everything under them), casts (dtype conversions and copies), the optimizer
+(everything under AdamW's step and the gradient clipping), communication (the gradient
+allreduce, as cpudist.runtime.comm measures it for the bench's figures) and the rest of the
+element-wise work. What no operator accounts for is Python and framework overhead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+CATEGORIES = ("GEMM", "attention", "element-wise", "casts", "optimizer", "communication",
+              "python / framework")
+_GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm",
+         "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm")
+_CASTS = ("aten::to", "aten::_to_copy", "aten::copy_", "aten::type_as", "aten::clone",
+          "aten::contiguous")
+
+
+def _category(name: str, ancestors: list[str]) -> str:
+    if any(a.startswith(("Optimizer.", "cpudist.optimizer")) for a in ancestors + [name]):
+        return "optimizer"
+    if any(key in a for a in ancestors + [name] for key in ("allreduce", "all_reduce", "gloo:",
+                                                            "c10d::", "mpi_allreduce")):
+        return "communication"
+    if any("scaled_dot_product" in a or "flash_attention" in a for a in ancestors + [name]):
+        return "attention"
+    if name in _GEMM:
+        return "GEMM"
+    if name in _CASTS:
+        return "casts"
+    return "element-wise"
+
+
+def profile_step(run_step: Callable[[], Any], wall_of: Callable[[], float] | None = None
+                 ) -> dict[str, Any]:
+    """Run one step under the profiler; {category: ms}, the step's wall ms, and the top ops."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        started = time.perf_counter()
+        run_step()
+        wall_ms = (time.perf_counter() - started) * 1e3
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    by_op: dict[str, float] = {}
+    events = prof.events()
+    for event in events:
+        if event.device_type.name != "CPU":
+            continue
+        ancestors = []
+        parent = event.cpu_parent
+        while parent is not None:
+            ancestors.append(parent.name)
+            parent = parent.cpu_parent
+        self_ms = event.self_cpu_time_total / 1e3
+        if not event.name.startswith("aten::") and not ancestors and event.name not in _GEMM:
+            # Top-level user scopes (record_function, Optimizer.step, ...) count their own time
+            # as the framework's; their children are counted below.
+            category = _category(event.name, []) if event.name.startswith(
+                ("Optimizer.", "cpudist.optimizer")) else "python / framework"
+        else:
+            category = _category(event.name, ancestors)
+        totals[category] += self_ms
+        by_op[event.name] = by_op.get(event.name, 0.0) + self_ms
+    counted = sum(totals.values())
+    # Threads run ops in parallel inside an op only (intra-op), so operator times add up to at
+    # most the wall time; what is left is Python between the ops.
+    totals["python / framework"] += max(0.0, wall_ms - counted)
+    top = sorted(by_op.items(), key=lambda item: -item[1])[:15]
+    return {"wall_ms": wall_ms, "categories_ms": totals, "top_ops_ms": dict(top)}
+
+
+def profile_table(profile: dict[str, Any]) -> str:
+    wall = profile["wall_ms"]
+    lines = ["| where the step's time went | ms | share |", "|---|---:|---:|"]
+    for name, ms in profile["categories_ms"].items():
+        lines.append(f"| {name} | {ms:.0f} | {100 * ms / wall:.1f} % |")
+    lines.append(f"| **step (wall)** | **{wall:.0f}** | 100 % |")
+    lines += ["", "| operator (own time) | ms |", "|---|---:|"]
+    lines += [f"| {name} | {ms:.0f} |" for name, ms in profile["top_ops_ms"].items()]
+    return "\n".join(lines)
