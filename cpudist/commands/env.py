@@ -57,7 +57,8 @@ def _malloc() -> str:
     except UserError as exc:
         return str(exc)
     if name is None:
-        hint = "" if request == "none" else " (apt-get install libjemalloc2 for faster steps)"
+        hint = ("" if request == "none"
+                else " (no allocator library loads: reinstall cpudist, which brings cmeel-mimalloc)")
         return f"glibc malloc, {ENV}={request}{hint}"
     return f"{name} {lib}, {ENV}={request}"
 

@@ -2,15 +2,16 @@
 
 glibc malloc gives big blocks back to the kernel as soon as they are freed (blocks over 32 MB are
 mapped and unmapped each time, the heap top is trimmed), so every training step page-faults and
-zero-fills its activations again. jemalloc told never to hand pages back reuses them. Measured on
-the Qwen2.5-0.5B shape, 2 threads (docs/PERFORMANCE.md): fp32 48.2 -> 36.5 s/step with peak RSS
-9.3 -> 7.3 GB; bf16 12.1 -> 10.5 s/step, 5.9 -> 5.2 GB. jemalloc's default decay was slower.
+zero-fills its activations again. An allocator told never to hand pages back reuses them. mimalloc
+ships with cpudist (the cmeel-mimalloc wheel is a dependency), so README's install brings the fast
+path with no apt step; jemalloc and tcmalloc are used when asked for and installed. Measured side
+by side in docs/PERFORMANCE.md ("Allocator").
 
 Preloading has to happen before a process starts, so the compute commands (train, bench, eval,
 generate, merge) run themselves again, once, with LD_PRELOAD set (`ensure`); `cpudist launch`
 and `cpudist scaling` put the same variables into the ranks' environment. CPUDIST_ALLOCATOR
-(auto | jemalloc | tcmalloc | none, default auto) chooses; auto falls back to glibc malloc when
-neither library is installed (apt-get install libjemalloc2).
+(auto | mimalloc | jemalloc | tcmalloc | none, default auto) chooses; auto takes the first of
+AUTO_ORDER that loads, and glibc malloc when none does.
 """
 
 from __future__ import annotations

@@ -112,7 +112,8 @@ class Engine:
             [p for _, p in self.params], lr=tc.lr, weight_decay=tc.weight_decay)
         loss_module: nn.Module = session.loss
         if tc.ipex:
-            loss_module, self.optimizer = _ipex_optimize(loss_module, self.optimizer)
+            loss_module, self.optimizer = _ipex_optimize(loss_module, self.optimizer,
+                                                         session.precision.compute_dtype)
         self.batches = GlobalBatches(data.train, tc.batch_size, tc.grad_accum,
                                      placement.world_size, tc.seed, config.data.group_by_length)
         self.total_steps = total_steps or tc.max_steps or tc.epochs * self.batches.steps_per_epoch
@@ -206,7 +207,7 @@ def wrap_ddp(module: nn.Module, config: Config, meter: CommMeter | None = None) 
     return ddp
 
 
-def _ipex_optimize(module: nn.Module, optimizer: torch.optim.Optimizer
+def _ipex_optimize(module: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype
                    ) -> tuple[nn.Module, torch.optim.Optimizer]:
     try:
         import intel_extension_for_pytorch as ipex
@@ -214,5 +215,7 @@ def _ipex_optimize(module: nn.Module, optimizer: torch.optim.Optimizer
         log.warning("train.ipex=true but intel_extension_for_pytorch does not import (it is "
                     "retired upstream and needs torch 2.8); continuing with stock PyTorch")
         return module, optimizer
-    log.info("IPEX %s: ipex.optimize on the model and optimizer", ipex.__version__)
-    return ipex.optimize(module, optimizer=optimizer)
+    log.info("IPEX %s: ipex.optimize on the model and optimizer (%s)", ipex.__version__, dtype)
+    # inplace: the session's model (evaluated, saved, checkpointed) must be the one trained; the
+    # default deep copy trained a twin while the saved adapter stayed at its initial values.
+    return ipex.optimize(module, optimizer=optimizer, dtype=dtype, inplace=True)
