@@ -46,6 +46,9 @@ class LoraConfig(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # "all-linear" or a list of module name suffixes such as [q_proj, v_proj].
     target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    # Adapted layers skip PEFT's per-call casts and share one A GEMM between projections that
+    # read the same input (cpudist.model.fast_lora); false runs PEFT's own forward.
+    fast_path: bool = True
 
     @field_validator("target_modules")
     @classmethod

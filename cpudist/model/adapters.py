@@ -65,8 +65,9 @@ def _with_quantized_layers(peft_config: Any) -> Any:
     return peft_config
 
 
-def apply_adapter(model: nn.Module, config: LoraConfig) -> nn.Module:
-    """The frozen base wrapped with a fresh, trainable adapter (fp32 weights)."""
+def apply_adapter(model: nn.Module, config: LoraConfig, compiled: bool = False) -> nn.Module:
+    """The frozen base wrapped with a fresh, trainable adapter (fp32 weights); compiled: the
+    decoder layers will run under torch.compile (the fast path then shares no A GEMMs)."""
     from peft import get_peft_model
 
     if isinstance(config.target_modules, list):
@@ -93,6 +94,10 @@ def apply_adapter(model: nn.Module, config: LoraConfig) -> nn.Module:
     for param in peft_model.parameters():
         if param.requires_grad:
             param.data = param.data.float()
+    if config.fast_path:
+        from cpudist.model.fast_lora import install_fast_path
+
+        install_fast_path(peft_model, share_inputs=not compiled)
     return peft_model
 
 

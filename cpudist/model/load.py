@@ -175,13 +175,14 @@ def _load_quantized(config: ModelConfig, path: Path, hf_config: Any, precision: 
     return model
 
 
-def build_model(config: ModelConfig, lora: LoraConfig, precision: Precision
-                ) -> tuple[nn.Module, Any, Path]:
-    """What training loads: (peft model with a fresh adapter, tokenizer, resolved model dir)."""
+def build_model(config: ModelConfig, lora: LoraConfig, precision: Precision,
+                compiled: bool = False) -> tuple[nn.Module, Any, Path]:
+    """What training loads: (peft model with a fresh adapter, tokenizer, resolved model dir);
+    compiled: its decoder layers will run under torch.compile."""
     path = resolve_model_path(config)
     tokenizer = load_tokenizer(path, config.trust_remote_code)
     base = load_base_model(config, path, precision, map_weights=config.share_frozen_weights)
-    model = apply_adapter(base, lora)
+    model = apply_adapter(base, lora, compiled)
     if config.gradient_checkpointing:
         enable_activation_checkpointing(model)
     # from_pretrained leaves the base in eval mode, and decoder layers only checkpoint while

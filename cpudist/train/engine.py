@@ -87,7 +87,8 @@ def build_engine(config: Config, process: Process, load_data: DataLoader,
     precision = choose_precision(config.model.dtype)
 
     def load() -> tuple[nn.Module, Any, Path, Datasets]:
-        model, tokenizer, model_dir = build_model(config.model, config.lora, precision)
+        model, tokenizer, model_dir = build_model(config.model, config.lora, precision,
+                                                  compiled=config.train.compile)
         return model, tokenizer, model_dir, load_data(tokenizer, model)
 
     model, tokenizer, model_dir, data = agreed(process.placement, load)
@@ -123,7 +124,7 @@ class Engine:
         self.step_module = (wrap_ddp(loss_module, config, self.comm) if placement.distributed
                             else loss_module)
         if tc.compile:
-            self.step_module = torch.compile(self.step_module)
+            compile_decoder_layers(session.model)
 
     @property
     def model(self) -> nn.Module:
@@ -181,6 +182,27 @@ class Engine:
     def evaluate(self) -> dict[str, float]:
         """Validation loss and perplexity (all ranks)."""
         return evaluate_session(self.session, self.data.val, self.config.train.eval_batches)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a causal LM (the ModuleList that holds the most parameters)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def compile_decoder_layers(model: nn.Module) -> None:
+    """torch.compile (Inductor, which needs a C++ compiler) over each decoder layer: one graph
+    serves every layer, dynamic in batch and length so that length-grouped batches do not
+    recompile. The embedding, loss head and DDP stay eager."""
+    import os
+
+    mode = os.environ.get("CPUDIST_COMPILE_MODE") or None
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(dynamic=True, mode=mode)
+    log.info("torch.compile: %d decoder layers (Inductor, dynamic shapes)", len(layers))
 
 
 def wrap_ddp(module: nn.Module, config: Config, meter: CommMeter | None = None) -> nn.Module:

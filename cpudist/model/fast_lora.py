@@ -1,0 +1,126 @@
+"""LoRA's hot path without PEFT's per-call overhead (lora.fast_path, on by default).
+
+PEFT keeps the adapter's parameters, their names and its save format; only the forward of each
+adapted linear layer is replaced. What the replacement saves, per adapted layer and step:
+- PEFT casts the layer's bf16 input to the adapter's fp32 dtype, then autocast casts it back to
+  bf16 for the matmul: two copies of the activation forward, two more in backward. Here the input
+  goes to the matmul as it is (autocast casts the small fp32 adapter weights once per step).
+- PEFT scales the adapter's output (tokens x out_features); here the rank-sized intermediate
+  (tokens x r) is scaled, which is the same product with out_features / r fewer multiplications.
+- PEFT adds the adapter's output to the frozen layer's; here the adapter's output is the
+  accumulator the frozen GEMM adds into (addmm): no separate add forward, none in backward.
+- Projections that read the same input (q/k/v of an attention block, gate/up of an MLP) compute
+  their A products in one GEMM over the concatenated A matrices (SHARED_INPUT_GROUPS), and the
+  input's gradient gets one LoRA contribution instead of three.
+A layer the fast path cannot serve exactly (dropout > 0, several adapters, a PEFT variant such
+as DoRA, adapters disabled or merged) keeps PEFT's forward, decided per call.
+docs/PERFORMANCE.md ("LoRA fast path") has the measured effect; tests/model/test_fast_lora.py
+checks outputs and gradients against PEFT's forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("cpudist")
+
+# Sibling projections that a decoder block calls on one and the same input tensor.
+SHARED_INPUT_GROUPS: tuple[frozenset[str], ...] = (
+    frozenset({"q_proj", "k_proj", "v_proj"}),
+    frozenset({"gate_proj", "up_proj"}),
+)
+ADAPTER = "default"
+
+
+class SharedInputA:
+    """The A products of sibling LoRA layers that read the same input, in one GEMM.
+
+    The first member called with a new input computes x @ [A_1; A_2; ...]^T and keeps the result
+    until every member has taken its slice; a member called with any other tensor (a model that
+    feeds them different inputs) computes its own product, so the result is right either way.
+    """
+
+    def __init__(self, members: Sequence[nn.Module]) -> None:
+        self.members = list(members)
+        self.ranks = [m.lora_A[ADAPTER].weight.shape[0] for m in self.members]
+        self._input: torch.Tensor | None = None
+        self._slices: dict[int, torch.Tensor] = {}
+
+    def product(self, slot: int, x: torch.Tensor) -> torch.Tensor:
+        """Member `slot`'s A product of x."""
+        if self._input is not x or slot not in self._slices:
+            weight = torch.cat([m.lora_A[ADAPTER].weight for m in self.members])
+            slices = F.linear(x, weight).split(self.ranks, dim=-1)
+            self._input = x
+            self._slices = dict(enumerate(slices))
+        result = self._slices.pop(slot)
+        if not self._slices:
+            self._input = None  # every member served: let the input go
+        return result
+
+
+def _servable(layer: nn.Module) -> bool:
+    """True when the fast forward computes exactly what PEFT's would, for this layer's setup."""
+    return (list(layer.lora_A.keys()) == [ADAPTER] and not getattr(layer, "lora_variant", {})
+            and isinstance(layer.lora_dropout[ADAPTER], nn.Identity))
+
+
+def _fast_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    if (self.disable_adapters or self.merged or args or kwargs
+            or ADAPTER not in self.active_adapters):
+        return self._peft_forward(x, *args, **kwargs)
+    shared: SharedInputA | None = self._cpudist_shared
+    a = (shared.product(self._cpudist_slot, x) if shared
+         else F.linear(x, self.lora_A[ADAPTER].weight))
+    base = self.base_layer
+    if type(base) is not nn.Linear or not self._cpudist_accumulate:  # quantized, or compiled
+        return base(x) + F.linear(a * self.scaling[ADAPTER], self.lora_B[ADAPTER].weight)
+    # The adapter's output (with the frozen bias, added in that small GEMM) is the accumulator of
+    # the frozen GEMM: one addmm instead of a GEMM, an add and the add's extra pass in backward.
+    lora = F.linear(a * self.scaling[ADAPTER], self.lora_B[ADAPTER].weight, base.bias)
+    out = torch.addmm(lora.reshape(-1, lora.shape[-1]), x.reshape(-1, x.shape[-1]), base.weight.t())
+    return out.view(lora.shape)
+
+
+def install_fast_path(model: nn.Module, share_inputs: bool = True) -> int:
+    """Give every servable PEFT LoRA linear layer the fast forward; returns how many got it.
+
+    share_inputs=False (for torch.compile) leaves out the shared A GEMM, whose sibling modules
+    would make Inductor specialise and recompile each layer's graph, and the addmm accumulation."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    layers = {name: module for name, module in model.named_modules()
+              if isinstance(module, LoraLinear) and _servable(module)}
+    for module in layers.values():
+        module._peft_forward = module.forward
+        module._cpudist_shared = None
+        module._cpudist_slot = 0
+        # Under torch.compile, Inductor fuses the add itself; measured faster than its addmm.
+        module._cpudist_accumulate = share_inputs
+        module.forward = types.MethodType(_fast_forward, module)
+    by_parent: dict[str, dict[str, nn.Module]] = {}
+    for name, module in layers.items():
+        parent, _, leaf = name.rpartition(".")
+        by_parent.setdefault(parent, {})[leaf] = module
+    groups = 0
+    for siblings in by_parent.values() if share_inputs else ():
+        for group in SHARED_INPUT_GROUPS:
+            members = [siblings[leaf] for leaf in sorted(group) if leaf in siblings]
+            if len(members) > 1:
+                shared = SharedInputA(members)
+                for slot, member in enumerate(members):
+                    member._cpudist_shared = shared
+                    member._cpudist_slot = slot
+                groups += 1
+    skipped = sum(isinstance(m, LoraLinear) for m in model.modules()) - len(layers)
+    log.info("LoRA fast path: %d layers (%d shared-input groups)%s", len(layers), groups,
+             f", {skipped} kept on PEFT's forward (dropout, variants or several adapters)"
+             if skipped else "")
+    return len(layers)
