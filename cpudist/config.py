@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -46,6 +46,11 @@ class LoraConfig(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # "all-linear" or a list of module name suffixes such as [q_proj, v_proj].
     target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    # rsLoRA: scale alpha / sqrt(r) instead of alpha / r (keeps high ranks learning).
+    use_rslora: bool = False
+    # DoRA: a magnitude vector per output row besides A and B (PEFT's implementation; each
+    # forward recomputes the weight norm, so steps cost more; merges like LoRA).
+    use_dora: bool = False
     # Adapted layers skip PEFT's per-call casts and share one A GEMM between projections that
     # read the same input (cpudist.model.fast_lora); false runs PEFT's own forward.
     fast_path: bool = True
@@ -91,8 +96,13 @@ class TrainConfig(_Section):
     epochs: int = Field(1, gt=0)
     # When set, the run stops after this many optimizer steps (epochs repeat as needed).
     max_steps: int | None = Field(None, gt=0)
-    batch_size: int = Field(4, gt=0)  # per rank, per micro-step
+    # Rows per rank per micro-step, or auto: the largest that the memory plan fits, dividing
+    # train.global_batch (which auto needs) among the ranks and micro-steps.
+    batch_size: Annotated[int, Field(gt=0)] | Literal["auto"] = 4
     grad_accum: int = Field(1, gt=0)
+    # Rows per optimizer step over all ranks. When set, train.grad_accum follows from it (it is
+    # never changed to suit a world size or a machine: a run that cannot divide it stops).
+    global_batch: int | None = Field(None, gt=0)
     lr: float = Field(2e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
@@ -118,6 +128,15 @@ class TrainConfig(_Section):
     # Questions answered before and after training to show what changed.
     sample_prompts: int = Field(1, ge=0)
     max_new_tokens: int = Field(48, gt=0)
+
+    @field_validator("batch_size", mode="before")
+    @classmethod
+    def _batch_size(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            return value
+        if isinstance(value, str) and value.isdigit() and int(value) > 0:
+            return int(value)
+        raise ValueError("needs a positive integer or auto")
 
 
 class DistConfig(_Section):

@@ -6,6 +6,7 @@ Model FLOPs of one step (docs/PERFORMANCE.md), summed over samples of real lengt
 forward 2N and input-gradient 2N for frozen decoder weights (no weight gradient), forward, input-
 and weight-gradient 2N each for LoRA weights, causal attention (QK^T and AV, forward 2 L^2 d,
 backward twice that), and the LM head only where a label exists (forward + input gradient).
+DoRA adds, per micro-batch, its weight norm's B @ A product: 2 r in out forward, twice that back.
 Padding and recomputation (activation checkpointing) are work, not model FLOPs, so they lower MFU.
 """
 
@@ -28,11 +29,14 @@ class FlopModel:
     n_layers: int
     attn_dim: int  # query heads x head dim
     head_params: int  # vocab x hidden of the LM head
+    dora_products: int = 0  # sum of r x in x out over DoRA layers (their B @ A per micro-batch)
 
-    def step_flops(self, sample_lengths: list[int], label_tokens: int) -> float:
+    def step_flops(self, sample_lengths: list[int], label_tokens: int, passes: int = 1) -> float:
+        """FLOPs of one step over these samples, in `passes` micro-batches."""
         linear = (4 * self.n_frozen + 6 * self.n_lora) * sum(sample_lengths)
         attention = 6 * self.n_layers * self.attn_dim * sum(n * n for n in sample_lengths)
-        return float(linear + attention + 4 * self.head_params * label_tokens)
+        dora = 6 * self.dora_products * passes
+        return float(linear + attention + 4 * self.head_params * label_tokens + dora)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -45,7 +49,13 @@ def flop_model(peft_model: nn.Module) -> FlopModel:
     head = base.get_output_embeddings()
     from cpudist.model.quantize import QuantizedLinear
 
-    n_frozen = n_lora = 0
+    n_frozen = n_lora = dora = 0
+    for module in base.modules():
+        magnitudes = getattr(module, "lora_magnitude_vector", None)
+        if magnitudes:  # a DoRA layer: its weight norm needs B @ A
+            for adapter in magnitudes:
+                a = module.lora_A[adapter].weight
+                dora += a.shape[0] * a.shape[1] * module.lora_B[adapter].weight.shape[0]
     for name, module in base.named_modules():
         if isinstance(module, QuantizedLinear):  # frozen, stored quantized, computed in full
             n_frozen += module.in_features * module.out_features
@@ -60,7 +70,7 @@ def flop_model(peft_model: nn.Module) -> FlopModel:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return FlopModel(n_frozen=n_frozen, n_lora=n_lora, n_layers=config.num_hidden_layers,
                      attn_dim=config.num_attention_heads * head_dim,
-                     head_params=head.weight.numel())
+                     head_params=head.weight.numel(), dora_products=dora)
 
 
 def batch_sample_lengths(batch: Batch) -> list[int]:

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             model, use_gradient_checkpointing=config.model.gradient_checkpointing)
     model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha,
                                              lora_dropout=lora.dropout,
+                                             use_rslora=lora.use_rslora, use_dora=lora.use_dora,
                                              target_modules=lora.target_modules,
                                              task_type="CAUSAL_LM"))
     load_s = time.perf_counter() - loading
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [n for step in per_step for lens, _, _ in step for n in lens]
     label_tokens = sum(lab for step in per_step for _, lab, _ in step)
     model_flops = sum(flops.step_flops([n for lens, _, _ in step for n in lens],
-                                       sum(lab for _, lab, _ in step)) for step in per_step)
+                                       sum(lab for _, lab, _ in step), len(step))
+                      for step in per_step)
     cells = sum(c for step in per_step for _, _, c in step)
     peak = max(peaks)
     result = {

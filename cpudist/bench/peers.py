@@ -30,6 +30,8 @@ def run_vs(peer: str, config: Config, args: BenchArgs, rounds: int, allocator: s
     malloc, as HF Trainer runs unless a user preloads one) and on cpudist's, so that both ratios
     (as each ships, and the same malloc on both sides) come from one command.
     """
+    from cpudist.train.plan import resolve_batch
+
     name, program = PEERS[peer]
     same = f"{peer} (same malloc)"
     ours_name, _ = choose_allocator(requested(allocator))
@@ -43,7 +45,8 @@ def run_vs(peer: str, config: Config, args: BenchArgs, rounds: int, allocator: s
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="cpudist-vs-") as tmp:
         resolved = Path(tmp) / "config.yaml"
-        resolved.write_text(config.to_yaml())
+        # One process per side: batch_size=auto is resolved once here, for both.
+        resolved.write_text(resolve_batch(config, 1, 1)[0].to_yaml())
         commands = {side: ([sys.executable, "-m", "cpudist.cli", "bench", str(resolved), *timing]
                            if side == "cpudist" else [*program, str(resolved), *timing])
                     for side in sides}

@@ -25,10 +25,11 @@ from cpudist.config import Config
 from cpudist.data.batches import Batch
 from cpudist.data.tokenize import TokenizedSplit
 from cpudist.runtime.allocator import in_use as allocator_in_use
-from cpudist.runtime.comm import all_gather, allreduce, barrier
+from cpudist.runtime.comm import agreed, all_gather, allreduce, barrier
 from cpudist.runtime.memory import PssSampler, peak_rss_gb
 from cpudist.runtime.process import Process, start_process
 from cpudist.train.engine import Datasets, build_engine
+from cpudist.train.plan import resolve_batch
 
 log = logging.getLogger("cpudist")
 
@@ -40,8 +41,12 @@ def run_bench(config: Config, args: BenchArgs) -> dict[str, Any] | None:
 
 
 def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] | None:
-    tc = config.train
     placement = process.placement
+    config, batch_line = agreed(placement, lambda: resolve_batch(
+        config, placement.world_size, placement.local_size))
+    if batch_line and placement.is_main:
+        log.info("batch: %s", batch_line)
+    tc = config.train
     samples = args.steps * tc.batch_size * tc.grad_accum * placement.world_size
 
     def load_data(tokenizer: Any, model: Any) -> Datasets:
@@ -82,7 +87,8 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
             micro = engine.micro_batches(epoch, index)
             lengths = [n for b in micro for n in batch_sample_lengths(b)]
             (step_flops,) = allreduce(
-                [flops.step_flops(lengths, sum(b.label_tokens for b in micro))], placement)
+                [flops.step_flops(lengths, sum(b.label_tokens for b in micro), len(micro))],
+                placement)
             result = engine.step(micro)
             elapsed = time.perf_counter() - started
             step_comm = engine.comm.take()

@@ -36,7 +36,7 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, help="dist.threads_per_rank")
     parser.add_argument("--allocator", choices=ALLOCATORS,
                         help="malloc of cpudist's benchmark processes (default: CPUDIST_ALLOCATOR, "
-                             "else auto = jemalloc when installed); --hf-allocator sets HF's")
+                             "else auto = mimalloc, which ships with cpudist); --hf-allocator sets HF's")
     parser.add_argument("--json", type=Path,
                         help="write the result here (bench: - prints it as one line on stdout)")
     parser.add_argument("--profile", action="store_true",

@@ -21,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings(parser)
     parser.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="N",
                         help="ranks sharing a node (default: what the launcher says, else 1)")
+    parser.add_argument("--world-size", type=positive_int, default=None, metavar="N",
+                        help="ranks in the whole run, for train.global_batch (default: what the "
+                        "launcher says, else the ranks per node)")
     parser.add_argument("--json", metavar="FILE|-", help="also write the figures as JSON "
                         "(- prints them); node_peak_gb compares with the bench's peak_rss_gb "
                         "(1 rank) or node_pss_gb (several)")
@@ -30,15 +33,20 @@ def run(args: argparse.Namespace) -> int:
     from cpudist.config import load_config
     from cpudist.runtime.cluster import detect_placement
     from cpudist.runtime.process import quiet_libraries
-    from cpudist.train.plan import describe, make_plan
+    from cpudist.train.plan import describe, make_plan, resolve_batch
 
     config = load_config(*split_settings(args.settings))
     quiet_libraries()
-    ranks = args.ranks_per_node or detect_placement().local_size
+    placement = detect_placement()
+    ranks = args.ranks_per_node or placement.local_size
+    world = args.world_size or max(placement.world_size, ranks)
+    config, batch_line = resolve_batch(config, world, ranks)
     plan = make_plan(config, ranks)
     if args.json == "-":
         print(json.dumps(plan.as_dict()))
         return 0
+    if batch_line:
+        print(f"batch: {batch_line}")
     print(describe(plan))
     if args.json:
         Path(args.json).write_text(json.dumps(plan.as_dict(), indent=1))

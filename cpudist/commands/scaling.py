@@ -48,6 +48,9 @@ def run(ns: argparse.Namespace) -> int:
     total = ns.total_threads or physical_cores()
     if args.batch_size is None and not ns.per_rank_batch:
         args.batch_size = load_config(config_path, overrides).train.batch_size
+        if args.batch_size == "auto":
+            raise UserError("scaling splits one global batch between the rank counts: pass "
+                            "--batch-size N (train.batch_size=auto is for train and bench)")
     rows = run_scaling(config_path, overrides, args, counts, total, ns.allocator,
                        ns.per_rank_batch, ns.hostfile, ns.mpi_arg)
     md_path = write_scaling(rows, ns.out)

@@ -117,24 +117,30 @@ class GlobalBatches:
             )
 
     def epoch_order(self, epoch: int) -> list[list[int]]:
-        """Global micro-batches (lists of sample indices) of an epoch, deterministic in seed."""
+        """Global micro-batches (lists of sample indices) of an epoch, deterministic in seed.
+
+        Which samples make up an optimizer step depends only on the global batch (batch_size x
+        grad_accum x world), not on how it is split: the same run with train.global_batch keeps
+        its steps whatever micro-batch or world size resolves it.
+        """
         rng = random.Random(self.seed * 100_003 + epoch)
         order = list(range(len(self.data)))
         rng.shuffle(order)
-        usable = self.steps_per_epoch * self.grad_accum * self.global_micro
+        step_rows = self.grad_accum * self.global_micro
+        usable = self.steps_per_epoch * step_rows
         order = order[:usable]
-        batches = [order[i : i + self.global_micro] for i in range(0, usable, self.global_micro)]
         if self.group_by_length:
-            # Sort within windows of 64 micro-batches by length, then shuffle the batches: similar
-            # lengths share a batch (little padding) while the order stays random.
+            # Sort within windows of 64 steps by length, then shuffle the steps: similar lengths
+            # share a micro-batch (little padding) while the order of steps stays random.
             lengths = self.data.lengths()
-            window = 64 * self.global_micro
+            window = 64 * step_rows
             grouped: list[int] = []
             for start in range(0, usable, window):
                 grouped += sorted(order[start : start + window], key=lambda i: -lengths[i])
-            batches = [grouped[i : i + self.global_micro] for i in range(0, usable, self.global_micro)]
-            rng.shuffle(batches)
-        return batches
+            steps = [grouped[i : i + step_rows] for i in range(0, usable, step_rows)]
+            rng.shuffle(steps)
+            order = [i for step in steps for i in step]
+        return [order[i : i + self.global_micro] for i in range(0, usable, self.global_micro)]
 
     def step_batches(self, epoch: int, step_in_epoch: int, rank: int) -> list[list[int]]:
         """This rank's sample indices for each micro-step of one optimizer step."""

@@ -23,7 +23,8 @@ def _lora(config: LoraConfig, target_modules: str | list[str]) -> Any:
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(r=config.r, lora_alpha=config.alpha, lora_dropout=config.dropout,
-                          target_modules=target_modules, task_type="CAUSAL_LM")
+                          target_modules=target_modules, task_type="CAUSAL_LM",
+                          use_rslora=config.use_rslora, use_dora=config.use_dora)
 
 
 # Method name -> function building its peft config from the `lora` section and the target modules.
@@ -80,6 +81,10 @@ def apply_adapter(model: nn.Module, config: LoraConfig, compiled: bool = False) 
             )
     targets: str | list[str] = config.target_modules
     quantized = _quantized(model)
+    if quantized and config.use_dora:
+        raise UserError("lora.use_dora=true needs the base weights' norms every step, which a "
+                        "quantized base (model.quantize) does not keep; use model.quantize=none or "
+                        "plain LoRA (lora.use_dora=false)")
     if quantized and targets == "all-linear":
         # peft's all-linear knows only nn.Linear (and bitsandbytes layers): name them instead,
         # every linear but the LM head, as all-linear means.

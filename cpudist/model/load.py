@@ -183,6 +183,10 @@ def build_model(config: ModelConfig, lora: LoraConfig, precision: Precision,
     tokenizer = load_tokenizer(path, config.trust_remote_code)
     base = load_base_model(config, path, precision, map_weights=config.share_frozen_weights)
     model = apply_adapter(base, lora, compiled)
+    # The saved adapter_config.json names its base; an absolute path reloads from anywhere
+    # (PEFT would write the path as given, relative to where the run started).
+    for peft_config in model.peft_config.values():
+        peft_config.base_model_name_or_path = str(path.resolve())
     if config.gradient_checkpointing:
         enable_activation_checkpointing(model)
     # from_pretrained leaves the base in eval mode, and decoder layers only checkpoint while

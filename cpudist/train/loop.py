@@ -34,7 +34,7 @@ from cpudist.train.output import (
     save_final_adapter,
     write_summary,
 )
-from cpudist.train.plan import check_fits
+from cpudist.train.plan import check_fits, resolve_batch
 from cpudist.train.signals import StopFlag
 
 log = logging.getLogger("cpudist")
@@ -56,12 +56,28 @@ def training_data(config: Config, tokenizer: Any) -> Datasets:
 
 
 def _run(config: Config, process: Process) -> dict[str, Any] | None:
-    tc = config.train
     placement = process.placement
+    # train.global_batch / batch_size=auto become a concrete micro-batch and accumulation here;
+    # the output keeps the settings as given (a resume on another machine resolves them again).
+    resolved, batch_line = agreed(placement, lambda: resolve_batch(
+        config, placement.world_size, placement.local_size))
+    if config.train.batch_size == "auto" and placement.distributed:
+        # Nodes may differ in memory: every rank takes the smallest micro-batch any rank chose.
+        (negated,) = allreduce([-float(resolved.train.batch_size)], placement, op="max")
+        if int(-negated) != resolved.train.batch_size:
+            smallest = config.model_copy(deep=True)
+            smallest.train.batch_size = int(-negated)
+            resolved, batch_line = resolve_batch(smallest, placement.world_size,
+                                                 placement.local_size)
+            batch_line += ", the smallest any node's memory allows"
     # Before anything is loaded or written: a run that cannot fit stops here, not in the kernel's
     # OOM killer.
-    agreed(placement, lambda: check_fits(config, placement.local_size))
+    agreed(placement, lambda: check_fits(resolved, placement.local_size))
     rank0_only(placement, lambda: prepare_output(config))
+    config = resolved
+    tc = config.train
+    if batch_line:
+        log.info("batch: %s", batch_line)
     out = Path(config.output.dir)
     log.info("config:\n%s", config.to_yaml().rstrip())
     log.info(process.describe())

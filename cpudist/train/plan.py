@@ -271,3 +271,66 @@ def check_fits(config: Config, ranks_per_node: int) -> MemoryPlan | None:
              plan.node_memory_gb, plan.node_memory_from)
     return plan
 
+
+
+# --------------------------------------------------------------------------- the micro-batch
+
+# batch_size=auto tries micro-batches up to this many rows. Past a few hundred tokens the GEMMs
+# are as fast as they get and only memory grows: Qwen2.5-0.5B shape, 512 tokens, AMX Xeon, tokens/s
+# at micro-batch 1 / 2 / 4 / 8 = 331 / 316 / 370-387 / 360, peak 2.6 / 3.3 / 4.6 / 9.1 GB
+# (docs/PERFORMANCE.md, "Micro-batch").
+MAX_AUTO_BATCH = 4
+
+
+def resolve_batch(config: Config, world_size: int, ranks_per_node: int) -> tuple[Config, str]:
+    """The config with a concrete train.batch_size and train.grad_accum for this world size, and
+    a line for the log. train.global_batch, when set, is kept exactly or the run stops."""
+    tc = config.train
+    if tc.global_batch is None:
+        if tc.batch_size == "auto":
+            raise UserError("train.batch_size=auto needs train.global_batch (rows per optimizer "
+                            "step over all ranks), so that the choice never changes what a step "
+                            "trains on; e.g. train.global_batch=16")
+        return config, ""
+    per_rank, rest = divmod(tc.global_batch, world_size)
+    if rest:
+        raise UserError(f"train.global_batch={tc.global_batch} does not divide among {world_size} "
+                        f"ranks; choose a multiple of {world_size}")
+    if tc.batch_size == "auto":
+        batch, why = _auto_batch(config, per_rank, ranks_per_node)
+    else:
+        batch, why = tc.batch_size, "train.batch_size"
+        if per_rank % batch:
+            raise UserError(f"train.global_batch={tc.global_batch} over {world_size} rank(s) is "
+                            f"{per_rank} rows per rank, which train.batch_size={batch} does not "
+                            "divide; choose a divisor or train.batch_size=auto")
+    accum = per_rank // batch
+    if tc.grad_accum not in (1, accum):
+        raise UserError(f"train.grad_accum={tc.grad_accum} contradicts train.global_batch="
+                        f"{tc.global_batch} ({world_size} rank(s) x batch {batch} x accumulation "
+                        f"{accum}); leave train.grad_accum out, it follows from the global batch")
+    resolved = _with(config, [f"train.batch_size={batch}", f"train.grad_accum={accum}"])
+    return resolved, (f"global batch {tc.global_batch} = {world_size} rank(s) x micro-batch {batch} "
+                      f"x {accum} accumulation step(s) ({why})")
+
+
+def _auto_batch(config: Config, per_rank: int, ranks_per_node: int) -> tuple[int, str]:
+    """The largest micro-batch (<= MAX_AUTO_BATCH, dividing per_rank) whose plan fits."""
+    from cpudist.runtime.memory import node_memory_gb
+    from cpudist.runtime.precision import choose_precision
+
+    candidates = [b for b in range(min(per_rank, MAX_AUTO_BATCH), 0, -1) if per_rank % b == 0]
+    try:
+        parts = model_parts(config)
+    except UserError:
+        raise
+    except Exception as exc:  # a model the planner cannot count: the smallest safe choice
+        log.warning("batch_size=auto: memory plan unavailable (%s); using 1", exc)
+        return 1, "auto: no memory plan for this model, so 1"
+    compute = choose_precision(config.model.dtype).compute
+    node = node_memory_gb()
+    for batch in candidates:
+        if estimate(_with(config, [f"train.batch_size={batch}"]), parts, ranks_per_node, node,
+                    compute).fits:
+            return batch, f"auto: the largest of {candidates} that the memory plan fits"
+    return 1, "auto: even 1 row does not fit the memory plan"

@@ -94,6 +94,26 @@ def test_activation_checkpointing_gives_the_same_losses(tiny_llama: Path, chat_f
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-5, atol=1e-6)
 
 
+def test_global_batch_trains_alike_whatever_the_micro_batch(tiny_llama: Path, chat_file: Path,
+                                                           tmp_path: Path) -> None:
+    """train.global_batch=8 as 2 x 4 rows (batch_size=auto) or 4 x 2 rows (batch_size=2): the same
+    losses, since a step's loss is the mean over every label token of its global batch."""
+    losses, outs = [], []
+    for batch in ("auto", 2):
+        out = tmp_path / f"batch-{batch}"
+        done = run([*cpudist_cmd(), "train", *tiny_overrides(
+            tiny_llama, chat_file, out, train__batch_size=batch, train__global_batch=8)])
+        assert done.returncode == 0, done.stderr[-3000:]
+        micro, accum = (4, 2) if batch == "auto" else (2, 4)
+        assert f"global batch 8 = 1 rank(s) x micro-batch {micro} x {accum} accumulation" in done.stdout
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        losses.append([r["loss"] for r in records if "loss" in r])
+        outs.append(out)
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-4, atol=1e-6)
+    assert "batch_size: auto" in (outs[0] / "config.yaml").read_text()  # kept as the user gave it
+    assert json.loads((outs[0] / "summary.json").read_text())["global_batch"] == 8
+
+
 def test_training_with_packing_matches_padding(tiny_qwen: Path, chat_file: Path,
                                                tmp_path: Path) -> None:
     losses = {}

@@ -105,3 +105,38 @@ def test_a_7b_on_24_gib_without_fast_bf16_needs_a_quantized_base(tmp_path: Path,
     assert make_plan(load_config(None, [*common, "model.dtype=float32", "model.quantize=int4"]),
                      1).fits
     assert make_plan(load_config(None, [*common, "model.dtype=bfloat16"]), 1).fits
+
+
+def test_global_batch_sets_the_accumulation_and_is_never_changed(tiny_qwen: Path) -> None:
+    from cpudist.errors import UserError
+    from cpudist.train.plan import resolve_batch
+
+    resolved, line = resolve_batch(_config(tiny_qwen, "train.global_batch=16"), 2, 2)
+    assert (resolved.train.batch_size, resolved.train.grad_accum) == (4, 2)
+    assert "global batch 16 = 2 rank(s) x micro-batch 4 x 2" in line
+    unchanged, line = resolve_batch(_config(tiny_qwen, "train.grad_accum=3"), 2, 2)
+    assert (unchanged.train.batch_size, unchanged.train.grad_accum, line) == (4, 3, "")
+    for overrides, world, message in (
+            (["train.global_batch=16"], 3, "does not divide among 3 ranks"),
+            (["train.global_batch=12", "train.batch_size=8"], 1, "train.batch_size=8 does not divide"),
+            (["train.global_batch=16", "train.grad_accum=3"], 1, "train.grad_accum=3 contradicts"),
+            (["train.batch_size=auto"], 1, "train.batch_size=auto needs train.global_batch")):
+        with pytest.raises(UserError, match=message):
+            resolve_batch(_config(tiny_qwen, *overrides), world, 1)
+
+
+def test_auto_batch_is_the_largest_that_the_plan_fits(tiny_qwen: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from cpudist.train.plan import HEADROOM, MAX_AUTO_BATCH, resolve_batch
+
+    auto = ["data.max_length=2048", "train.batch_size=auto", "train.global_batch=16"]
+    roomy, line = resolve_batch(_config(tiny_qwen, *auto), 1, 1)
+    assert roomy.train.batch_size == MAX_AUTO_BATCH == 4 and roomy.train.grad_accum == 4
+    assert "auto: the largest of [4, 2, 1]" in line
+    peak = {b: make_plan(_config(tiny_qwen, "data.max_length=2048", f"train.batch_size={b}"),
+                         1).node_peak_gb for b in (2, 4)}
+    # A node between the two: 4 rows would not fit, 2 do; the global batch stays 16.
+    node_gb = (peak[2] + peak[4]) / 2 / HEADROOM
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", str(int(node_gb * 1024)))
+    tight, _ = resolve_batch(_config(tiny_qwen, *auto), 1, 1)
+    assert (tight.train.batch_size, tight.train.grad_accum) == (2, 8)
