@@ -20,7 +20,7 @@ import json
 import logging
 import random
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,7 @@ from cpudist.files import TMP_MARK, fsync_dir, fsync_tree, remove, replacing
 from cpudist.runtime.comm import agreed, all_gather, broadcast, rank0_only
 
 if TYPE_CHECKING:
+    from cpudist.runtime.cluster import Placement
     from cpudist.train.engine import Engine
 
 log = logging.getLogger("cpudist")
@@ -47,6 +48,7 @@ class TrainState:
     epoch: int = 0
     step_in_epoch: int = 0
     world_size: int = 1
+    global_batch: int = 0  # rows per optimizer step over all ranks (0: a checkpoint from before)
     bad_steps_total: int = 0
     bad_steps_in_a_row: int = 0
     tokens_seen: int = 0
@@ -184,6 +186,35 @@ def find_resume(resume: str | None, root: Path) -> Path | None:
     return path
 
 
+def _saved_state(path: Path) -> TrainState:
+    """The counters of a checkpoint, with its global batch (derived from its config.yaml for
+    checkpoints written before state.json recorded it)."""
+    import yaml
+
+    try:
+        state = TrainState(**json.loads((path / "state.json").read_text())["train"])
+        if not state.global_batch:
+            train = (yaml.safe_load((path / "config.yaml").read_text()) or {})["train"]
+            state.global_batch = train["batch_size"] * train["grad_accum"] * state.world_size
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"checkpoint {path} is unreadable ({exc}); resume from an older one with "
+                        "train.resume=PATH") from exc
+    return state
+
+
+def peek(resume: str | None, out: Path, placement: Placement) -> TrainState | None:
+    """The counters of the checkpoint train.resume will continue from (every rank gets rank 0's
+    reading), before anything is built: a different world size changes how the batch is split."""
+    if resume is None:
+        return None
+
+    def read() -> TrainState | None:
+        found = find_resume(resume, out / "checkpoints")
+        return _saved_state(found) if found else None
+
+    return broadcast(rank0_only(placement, read), placement)
+
+
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
     try:
         payload = json.loads((path / "state.json").read_text())
@@ -194,7 +225,7 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     except (OSError, ValueError, SafetensorError) as exc:
         raise UserError(f"checkpoint {path} is unreadable ({exc}); resume from an older one with "
                         "train.resume=PATH") from exc
-    train = TrainState(**payload["train"])
+    train = _saved_state(path)
     rng_states = [{"torch": rng[f"rank{r}"], "python": py}
                   for r, py in enumerate(payload["python_rng"])]
     return LoadedCheckpoint(path, train, adapter, optimizer, payload["optimizer"],
@@ -234,18 +265,25 @@ def restore(engine: Engine, resume: str | None, out: Path) -> TrainState | None:
     assert loaded is not None
 
     def apply() -> TrainState:
-        if loaded.state.world_size != placement.world_size:
+        saved = loaded.state
+        if saved.global_batch != engine.global_batch:
             raise UserError(
-                f"checkpoint {path} was written by {loaded.state.world_size} ranks and this run "
-                f"has {placement.world_size}; resume with -np {loaded.state.world_size} (the data "
-                "order and per-rank random states depend on the world size)")
+                f"checkpoint {path} trained with a global batch of {saved.global_batch} rows and "
+                f"this run's is {engine.global_batch}; resume with the same train.global_batch "
+                "(or the same batch_size x grad_accum x ranks)")
         set_peft_model_state_dict(engine.model, loaded.adapter_tensors)
         load_optimizer(engine.optimizer, engine.param_names, loaded.optimizer_tensors,
                        loaded.optimizer_settings)
         engine.scheduler.load_state_dict(loaded.scheduler_state)
-        set_rng_state(loaded.rng_states[placement.rank])
-        return loaded.state
+        # The data order and the position in it depend only on the global batch. A rank that
+        # did not exist when the checkpoint was written starts from rank 0's random state.
+        ranks = len(loaded.rng_states)
+        set_rng_state(loaded.rng_states[placement.rank if placement.rank < ranks else 0])
+        return replace(saved, world_size=placement.world_size)
 
     state = agreed(placement, apply)
+    if loaded.state.world_size != placement.world_size:
+        log.info("resumed a %d-rank checkpoint on %d rank(s): global batch %d kept",
+                 loaded.state.world_size, placement.world_size, state.global_batch)
     log.info("resumed from %s at step %d", path, state.step)
     return state

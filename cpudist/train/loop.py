@@ -34,7 +34,7 @@ from cpudist.train.output import (
     save_final_adapter,
     write_summary,
 )
-from cpudist.train.plan import check_fits, resolve_batch
+from cpudist.train.plan import check_fits, keep_global_batch, resolve_batch
 from cpudist.train.signals import StopFlag
 
 log = logging.getLogger("cpudist")
@@ -57,6 +57,13 @@ def training_data(config: Config, tokenizer: Any) -> Datasets:
 
 def _run(config: Config, process: Process) -> dict[str, Any] | None:
     placement = process.placement
+    given = config
+    # A checkpoint from another world size: its global batch is kept, split anew.
+    previous = checkpoint.peek(config.train.resume, Path(config.output.dir), placement)
+    if previous is not None and previous.world_size != placement.world_size:
+        config, note = agreed(placement, lambda: keep_global_batch(
+            given, previous.global_batch, placement.world_size))
+        log.info("resuming a %d-rank checkpoint: %s", previous.world_size, note)
     # train.global_batch / batch_size=auto become a concrete micro-batch and accumulation here;
     # the output keeps the settings as given (a resume on another machine resolves them again).
     resolved, batch_line = agreed(placement, lambda: resolve_batch(
@@ -73,7 +80,7 @@ def _run(config: Config, process: Process) -> dict[str, Any] | None:
     # Before anything is loaded or written: a run that cannot fit stops here, not in the kernel's
     # OOM killer.
     agreed(placement, lambda: check_fits(resolved, placement.local_size))
-    rank0_only(placement, lambda: prepare_output(config))
+    rank0_only(placement, lambda: prepare_output(given))
     config = resolved
     tc = config.train
     if batch_line:
@@ -87,7 +94,8 @@ def _run(config: Config, process: Process) -> dict[str, Any] | None:
     _log_setup(engine)
     state = checkpoint.restore(engine, tc.resume, out)
     resumed = state is not None
-    state = state or checkpoint.TrainState(world_size=placement.world_size)
+    state = state or checkpoint.TrainState(world_size=placement.world_size,
+                                           global_batch=engine.global_batch)
     faults.install(engine.session.loss, tc.grad_accum, state.step)
     metrics = None
     if placement.is_main:

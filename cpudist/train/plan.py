@@ -314,6 +314,30 @@ def resolve_batch(config: Config, world_size: int, ranks_per_node: int) -> tuple
                       f"x {accum} accumulation step(s) ({why})")
 
 
+def keep_global_batch(config: Config, global_batch: int, world_size: int) -> tuple[Config, str]:
+    """The config for continuing, on world_size ranks, a run that trained with global_batch rows
+    per step: train.global_batch set to it, the micro-batch lowered if it no longer divides the
+    per-rank share (accumulation makes up the rest, in resolve_batch)."""
+    tc = config.train
+    if tc.global_batch not in (None, global_batch):
+        raise UserError(f"the checkpoint trained with a global batch of {global_batch} rows; "
+                        f"train.global_batch={tc.global_batch} would change it: resume with "
+                        f"train.global_batch={global_batch}, or start a new run from the adapter")
+    if global_batch % world_size:
+        working = [n for n in range(1, global_batch + 1) if global_batch % n == 0]
+        raise UserError(f"the checkpoint's global batch of {global_batch} rows does not divide "
+                        f"among {world_size} ranks; resume on {', '.join(map(str, working))} "
+                        "ranks, or start a new run from the adapter")
+    per_rank = global_batch // world_size
+    overrides = [f"train.global_batch={global_batch}", "train.grad_accum=1"]
+    note = f"global batch {global_batch} kept on {world_size} rank(s)"
+    if tc.batch_size != "auto" and per_rank % tc.batch_size:
+        batch = max(b for b in range(1, tc.batch_size + 1) if per_rank % b == 0)
+        overrides.append(f"train.batch_size={batch}")
+        note += f"; micro-batch {tc.batch_size} -> {batch}"
+    return _with(config, overrides), note
+
+
 def _auto_batch(config: Config, per_rank: int, ranks_per_node: int) -> tuple[int, str]:
     """The largest micro-batch (<= MAX_AUTO_BATCH, dividing per_rank) whose plan fits."""
     from cpudist.runtime.memory import node_memory_gb
