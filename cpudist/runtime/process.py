@@ -16,6 +16,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from cpudist.config import DistConfig
@@ -90,11 +91,14 @@ def configure_logging(placement: Placement, debug: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def start_process(dist: DistConfig, debug: bool = False, resume_hint: str = "") -> Iterator[Process]:
+def start_process(dist: DistConfig, debug: bool = False, resume_hint: str = "",
+                  stacks_dir: Path | None = None) -> Iterator[Process]:
     """This rank, set up; see the module docstring. Keep what holds DDP or tensors of collectives
     inside a function called in the with-block, so it is freed before the ranks' final barrier.
 
     resume_hint: advice appended when a peer is lost (e.g. how to continue from a checkpoint).
+    stacks_dir: where rank 0 writes its Python stacks when a peer is lost (every other rank
+    prints them to stderr), so that a hang shows where each live rank was waiting.
     """
     quiet_libraries()
     placement = detect_placement()
@@ -126,12 +130,35 @@ def start_process(dist: DistConfig, debug: bool = False, resume_hint: str = "") 
         log.error("error: lost contact with the other ranks (%s). %s; see the other ranks' output "
                   "(mpirun names a rank that died).%s", first_line(exc),
                   peer_fate(peers, placement.rank), f" {resume_hint}" if resume_hint else "")
+        _dump_stacks(exc, placement.rank, stacks_dir)
         sys.stdout.flush()
         sys.stderr.flush()
         # No clean shutdown: destroying the group or MPI_Finalize would wait for the lost peer.
         os._exit(1)
     finally:
         shutdown()
+
+
+def _dump_stacks(exc: BaseException, rank: int, stacks_dir: Path | None) -> None:
+    """Where this rank was when contact was lost (the collective it waited in, and the step that
+    called it) and every thread's stack (faulthandler): to stacks_dir/lost-contact-rank0.txt on
+    rank 0 when that directory exists, to stderr elsewhere."""
+    import faulthandler
+    import traceback
+
+    frames = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)))
+    header = f"[rank {rank}] stack when contact was lost (most recent call last):\n"
+    target = stacks_dir / f"lost-contact-rank{rank}.txt" if stacks_dir is not None else None
+    if rank == 0 and target is not None and target.parent.is_dir():
+        with open(target, "w") as handle:
+            handle.write(header + frames + "\nall threads (faulthandler):\n")
+            handle.flush()
+            faulthandler.dump_traceback(file=handle, all_threads=True)
+        log.warning("this rank's stacks when contact was lost: %s", target)
+        return
+    sys.stderr.write(header + frames)
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 def run_apart(function: Callable[..., T], *args: Any) -> T:

@@ -43,7 +43,7 @@ log = logging.getLogger("cpudist")
 def train(config: Config, debug: bool = False) -> dict[str, Any] | None:
     """Run a fine-tune as this process's rank; returns the summary on rank 0."""
     with start_process(config.dist, debug, resume_hint="Continue from the newest checkpoint "
-                       "with train.resume=auto") as process:
+                       "with train.resume=auto", stacks_dir=Path(config.output.dir)) as process:
         return _run(config, process)
 
 
