@@ -102,7 +102,7 @@ def apply_adapter(model: nn.Module, config: LoraConfig, compiled: bool = False) 
     if config.fast_path:
         from cpudist.model.fast_lora import install_fast_path
 
-        install_fast_path(peft_model, share_inputs=not compiled)
+        install_fast_path(peft_model, compiled)
     return peft_model
 
 

@@ -89,11 +89,12 @@ def _fast_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torc
     return out.view(lora.shape)
 
 
-def install_fast_path(model: nn.Module, share_inputs: bool = True) -> int:
+def install_fast_path(model: nn.Module, compiled: bool = False) -> int:
     """Give every servable PEFT LoRA linear layer the fast forward; returns how many got it.
 
-    share_inputs=False (for torch.compile) leaves out the shared A GEMM, whose sibling modules
-    would make Inductor specialise and recompile each layer's graph, and the addmm accumulation."""
+    compiled=True (the layers will run under torch.compile) leaves out the shared A GEMM, whose
+    sibling modules would make Inductor specialise and recompile each layer's graph, and the
+    addmm accumulation, since Inductor fuses the add itself."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     layers = {name: module for name, module in model.named_modules()
@@ -102,15 +103,14 @@ def install_fast_path(model: nn.Module, share_inputs: bool = True) -> int:
         module._peft_forward = module.forward
         module._cpudist_shared = None
         module._cpudist_slot = 0
-        # Under torch.compile, Inductor fuses the add itself; measured faster than its addmm.
-        module._cpudist_accumulate = share_inputs
+        module._cpudist_accumulate = not compiled
         module.forward = types.MethodType(_fast_forward, module)
     by_parent: dict[str, dict[str, nn.Module]] = {}
     for name, module in layers.items():
         parent, _, leaf = name.rpartition(".")
         by_parent.setdefault(parent, {})[leaf] = module
     groups = 0
-    for siblings in by_parent.values() if share_inputs else ():
+    for siblings in by_parent.values() if not compiled else ():
         for group in SHARED_INPUT_GROUPS:
             members = [siblings[leaf] for leaf in sorted(group) if leaf in siblings]
             if len(members) > 1:

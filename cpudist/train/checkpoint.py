@@ -186,13 +186,15 @@ def find_resume(resume: str | None, root: Path) -> Path | None:
     return path
 
 
-def _saved_state(path: Path) -> TrainState:
-    """The counters of a checkpoint, with its global batch (derived from its config.yaml for
-    checkpoints written before state.json recorded it)."""
+def _saved_state(path: Path, payload: dict[str, Any] | None = None) -> TrainState:
+    """The counters of a checkpoint (from its state.json, or the payload already read from it),
+    with its global batch (derived from its config.yaml for checkpoints written before state.json
+    recorded it)."""
     import yaml
 
     try:
-        state = TrainState(**json.loads((path / "state.json").read_text())["train"])
+        payload = payload or json.loads((path / "state.json").read_text())
+        state = TrainState(**payload["train"])
         if not state.global_batch:
             train = (yaml.safe_load((path / "config.yaml").read_text()) or {})["train"]
             state.global_batch = train["batch_size"] * train["grad_accum"] * state.world_size
@@ -225,7 +227,7 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     except (OSError, ValueError, SafetensorError) as exc:
         raise UserError(f"checkpoint {path} is unreadable ({exc}); resume from an older one with "
                         "train.resume=PATH") from exc
-    train = _saved_state(path)
+    train = _saved_state(path, payload)
     rng_states = [{"torch": rng[f"rank{r}"], "python": py}
                   for r, py in enumerate(payload["python_rng"])]
     return LoadedCheckpoint(path, train, adapter, optimizer, payload["optimizer"],
@@ -282,8 +284,5 @@ def restore(engine: Engine, resume: str | None, out: Path) -> TrainState | None:
         return replace(saved, world_size=placement.world_size)
 
     state = agreed(placement, apply)
-    if loaded.state.world_size != placement.world_size:
-        log.info("resumed a %d-rank checkpoint on %d rank(s): global batch %d kept",
-                 loaded.state.world_size, placement.world_size, state.global_batch)
     log.info("resumed from %s at step %d", path, state.step)
     return state

@@ -196,12 +196,9 @@ def compile_decoder_layers(model: nn.Module) -> None:
     """torch.compile (Inductor, which needs a C++ compiler) over each decoder layer: one graph
     serves every layer, dynamic in batch and length so that length-grouped batches do not
     recompile. The embedding, loss head and DDP stay eager."""
-    import os
-
-    mode = os.environ.get("CPUDIST_COMPILE_MODE") or None
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile(dynamic=True, mode=mode)
+        layer.compile(dynamic=True)
     log.info("torch.compile: %d decoder layers (Inductor, dynamic shapes)", len(layers))
 
 
