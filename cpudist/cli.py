@@ -26,6 +26,7 @@ COMMANDS = {
     "bench": "cpudist.commands.bench",
     "scaling": "cpudist.commands.scaling",
     "merge": "cpudist.commands.merge",
+    "export": "cpudist.commands.export",
     "generate": "cpudist.commands.generate",
     "eval": "cpudist.commands.eval",
     "report": "cpudist.commands.report",
@@ -33,7 +34,7 @@ COMMANDS = {
 
 # Commands that train or run a model: they run on the chosen malloc (cpudist.runtime.allocator),
 # set up before their module (and torch) is even imported.
-COMPUTE_COMMANDS = ("train", "bench", "merge", "generate", "eval")
+COMPUTE_COMMANDS = ("train", "bench", "merge", "export", "generate", "eval")
 
 
 def _flag_value(argv: Sequence[str], flag: str) -> str | None:

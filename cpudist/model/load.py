@@ -63,10 +63,14 @@ def resolve_model_path(config: ModelConfig) -> Path:
             if not (target / "config.json").exists():
                 _convert_builtin(config.path, target)
         return target
+    if path.suffix == ".gguf" and path.is_file():
+        from cpudist.model.gguf_import import convert_gguf
+
+        return convert_gguf(path, Path(config.cache_dir).expanduser())
     if not path.exists():
         raise UserError(
             f"model.path={config.path!r}: directory not found. Use a local Hugging Face model "
-            f"directory or a built-in model ({', '.join(BUILTIN_MODELS)})"
+            f"directory, a .gguf file (Llama, Qwen2) or a built-in model ({', '.join(BUILTIN_MODELS)})"
         )
     if not (path / "config.json").is_file():
         raise UserError(

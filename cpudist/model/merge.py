@@ -53,9 +53,19 @@ def merge(base: str, adapter: str, out: str, dtype: str = "float32", force: bool
     return target
 
 
-def _dequantized_base(base: str, adapter_dir: Path, quantized: ModelConfig) -> tuple[Any, Any]:
+def write_dequantized_base(base: str, quantized: ModelConfig, out: Path) -> Path:
+    """The base a quantized run trained against (its linears dequantized to fp32), alone, as a
+    plain model directory: what a LoRA adapter of that run applies on top of."""
+    model, tokenizer = _dequantized_base(base, None, quantized)
+    with replacing(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    return out
+
+
+def _dequantized_base(base: str, adapter_dir: Path | None, quantized: ModelConfig) -> tuple[Any, Any]:
     """The quantized base the adapter was trained on (the node's cache, as training mapped it),
-    its linears dequantized to fp32, with the adapter applied."""
+    its linears dequantized to fp32, with the adapter applied (when one is given)."""
     from cpudist.model.adapters import load_adapter
     from cpudist.model.quantize import dequantize_linears
     from cpudist.runtime.precision import choose_precision
@@ -64,4 +74,6 @@ def _dequantized_base(base: str, adapter_dir: Path, quantized: ModelConfig) -> t
     model, tokenizer, _ = load_for_inference(config, None, choose_precision(config.dtype))
     dequantize_linears(model, torch.float32)
     model = model.float()  # embeddings, head and norms too: the merge is computed in fp32
+    if adapter_dir is None:
+        return model, tokenizer
     return load_adapter(model, adapter_dir, base_name=base), tokenizer

@@ -1,0 +1,82 @@
+"""`cpudist export --base MODEL [--adapter DIR] --out FILE.gguf`: GGUF files for llama.cpp."""
+
+from __future__ import annotations
+
+import argparse
+
+from cpudist.commands.common import add_model_arguments, add_quantize_arguments, fill_from_run
+
+HELP = "write a GGUF file for llama.cpp / Ollama: merged model, base alone, or LoRA adapter alone"
+DESCRIPTION = (
+    "Without --adapter: the base alone. With --adapter: base and adapter merged into one model, or "
+    "with --lora the adapter alone as a GGUF LoRA file that llama.cpp applies on top of the base's "
+    "GGUF (`llama-cli -m base.gguf --lora adapter.gguf`). Llama (SmolLM2) and Qwen2 architectures.")
+
+
+# The GGUF weight types written (cpudist.model.gguf_export.FILE_TYPES maps them to gguf's; listed
+# here so `export --help` does not import torch).
+TYPE_NAMES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="FILE", help="GGUF file to write")
+    parser.add_argument("--type", choices=TYPE_NAMES, default="f16",
+                        help="type of the 2-D weights (norms stay f32); --lora takes f32, f16, bf16 "
+                             "or q8_0 (default: f16)")
+    parser.add_argument("--lora", action="store_true",
+                        help="write the adapter alone (a GGUF LoRA file), not merged")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out")
+    add_quantize_arguments(parser)
+    parser.add_argument("--run-dtype", choices=["auto", "float32", "bfloat16"],
+                        help="model.dtype of a quantized run (default: the adapter's run)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from cpudist.config import ModelConfig
+    from cpudist.errors import UserError
+    from cpudist.model.adapters import resolve_adapter
+    from cpudist.model.gguf_export import export_lora, export_model, read_adapter
+    from cpudist.model.load import resolve_model_path
+    from cpudist.model.merge import merge, write_dequantized_base
+    from cpudist.runtime.process import quiet_libraries
+
+    quiet_libraries()
+    out = Path(args.out).expanduser()
+    if out.exists() and not args.force:
+        raise UserError(f"--out {args.out} already exists; choose a new file or pass --force")
+    if args.lora and not args.adapter:
+        raise UserError("--lora writes an adapter: pass --adapter DIR with it")
+    fill_from_run(args, ["quantize", "quantize_group", "run_dtype"])
+    adapter_dir = resolve_adapter(args.adapter) if args.adapter else None
+    adapter = read_adapter(adapter_dir) if adapter_dir else None
+    if args.lora and adapter is not None and adapter.dora:
+        raise UserError(f"--lora: {adapter_dir} is a DoRA adapter and llama.cpp's LoRA format has no "
+                        "magnitude vectors; export it merged (drop --lora)")
+    quantized = ModelConfig(path=args.base, dtype=args.run_dtype, quantize=args.quantize,
+                            quantize_group=args.quantize_group)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=out.parent) as scratch:
+        if quantized.quantize != "none":
+            # The adapter was trained against the dequantized weights: those are the base to
+            # write, merged (as `cpudist merge` does) or alone for a --lora pair.
+            if adapter_dir is not None and not args.lora:
+                base_dir = merge(args.base, str(adapter_dir), str(Path(scratch) / "merged"),
+                                 quantized=quantized)
+                adapter = None
+            else:
+                base_dir = write_dequantized_base(args.base, quantized, Path(scratch) / "base")
+        else:
+            base_dir = resolve_model_path(ModelConfig(path=args.base))
+        if args.lora:
+            assert adapter is not None
+            target = export_lora(base_dir, adapter, out, args.type)
+            print(f"LoRA GGUF written to {target} (apply it on the GGUF of its base: "
+                  f"cpudist export --base {args.base} --out BASE.gguf)")
+        else:
+            target = export_model(base_dir, out, args.type, adapter)
+            print(f"GGUF model ({args.type}) written to {target}")
+    return 0

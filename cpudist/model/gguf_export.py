@@ -1,0 +1,502 @@
+"""GGUF files that llama.cpp loads: a base or merged model (`export_model`) and a LoRA adapter on its
+own (`export_lora`), for the Llama (SmolLM2 included) and Qwen2 architectures.
+
+Built on the `gguf` package (writer, tensor-name map, quantizers, special-token reader). Where
+llama.cpp's own converters (convert_hf_to_gguf.py and its conversion/ package, convert_lora_to_gguf.py,
+as vendored in llama-cpp-python 0.3.36) make a choice, it is followed and named in a comment, so a
+file written here is the file those scripts would write.
+
+Both writers stream: every tensor is read, merged, converted and written on its own, so exporting a
+7B base needs one tensor's memory, not the model's. The merge (W + s*B@A, DoRA's column norm) is
+computed here in fp32 rather than through peft's merge_and_unload for the same reason; the tests
+check it against peft's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from hashlib import sha256
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cpudist.errors import UserError
+from cpudist.files import replacing
+from cpudist.model.safetensors_io import read_header, read_tensor, weight_files
+
+# --type -> (general.file_type, the type of every 2-D weight). Norms and biases stay F32 whatever
+# the type, as llama.cpp's converter keeps every 1-D tensor in F32.
+FILE_TYPES: dict[str, tuple[int, Any]] = {}
+LORA_TYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+def _file_types() -> dict[str, tuple[int, Any]]:
+    import gguf
+
+    if not FILE_TYPES:
+        q, f = gguf.GGMLQuantizationType, gguf.LlamaFileType
+        FILE_TYPES.update({
+            "f32": (f.ALL_F32, q.F32), "f16": (f.MOSTLY_F16, q.F16), "bf16": (f.MOSTLY_BF16, q.BF16),
+            "q8_0": (f.MOSTLY_Q8_0, q.Q8_0), "q5_1": (f.MOSTLY_Q5_1, q.Q5_1),
+            "q5_0": (f.MOSTLY_Q5_0, q.Q5_0), "q4_1": (f.MOSTLY_Q4_1, q.Q4_1),
+            "q4_0": (f.MOSTLY_Q4_0, q.Q4_0),
+        })
+    return FILE_TYPES
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one Hugging Face architecture maps onto a llama.cpp one."""
+
+    hf_name: str
+    gguf_name: str
+    # llama.cpp's Llama graph applies rope to interleaved pairs, HF to halves: Q and K rows are
+    # permuted on the way in (LlamaModel.permute in llama.cpp's conversion/llama.py).
+    permute_qk: bool
+    # llama.cpp's LlamaModel writes vocab_size and rope.dimension_count; Qwen2Model does not.
+    writes_vocab_and_rope_dim: bool
+
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": Architecture("LlamaForCausalLM", "llama", True, True),
+    "Qwen2ForCausalLM": Architecture("Qwen2ForCausalLM", "qwen2", False, False),
+}
+
+# llama.cpp names the BPE pre-tokenizer by a hash of how the tokenizer splits a check text
+# (get_vocab_base_pre in llama.cpp's conversion/base.py, which is generated; these are its entries
+# for the supported families). The text and the hashes are llama.cpp's, copied verbatim.
+_CHECK_TEXT = (
+    '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis '
+    'concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 '
+    'កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български '
+    '\'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? '
+    '\'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL')
+_PRE_TOKENIZERS = {
+    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",  # Llama 3
+    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",  # Qwen1.5/2/2.5
+    "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",  # Qwen3
+    "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",  # SmolLM/SmolLM2
+    "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
+}
+# The hash also changes with the vocabulary (a tokenizer of the same family with added or resized
+# tokens): then the splitting rule itself names the pre-tokenizer, since that rule is all that
+# llama.cpp's pre-tokenizer type selects. Regexes as tokenizers' Split pre-tokenizer holds them.
+_SPLIT_RULES = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
+}
+
+
+# --------------------------------------------------------------------------- the base
+
+
+def _hf_config(model_dir: Path) -> dict[str, Any]:
+    file = model_dir / "config.json"
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{file}: not a readable model config ({exc}); pass a Hugging Face model "
+                        "directory as --base") from None
+
+
+def architecture_of(config: dict[str, Any], model_dir: Path) -> Architecture:
+    names = config.get("architectures") or []
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    raise UserError(f"{model_dir}/config.json: architecture {', '.join(names) or '(none)'} cannot be "
+                    f"exported to GGUF; supported: {', '.join(ARCHITECTURES)}")
+
+
+def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 writes rope_parameters; older configs have rope_theta / rope_scaling.
+    params = dict(config.get("rope_parameters") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    if config.get("rope_scaling"):
+        params.update(config["rope_scaling"])
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def _head_dim(config: dict[str, Any]) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def permute_qk(weight: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """llama.cpp's LlamaModel.permute: rows of each head from HF's half-split rope order to the
+    interleaved order llama.cpp's Llama graph expects."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _llama3_rope_factors(params: dict[str, Any], dim: int) -> torch.Tensor:
+    """rope_freqs.weight for rope_type llama3 (LlamaModel.generate_extra_tensors in llama.cpp)."""
+    freqs = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = params.get("factor", 8.0)
+    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    old_context = params.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def _add_hyperparameters(writer: Any, arch: Architecture, config: dict[str, Any], model_dir: Path) -> None:
+    """The keys llama.cpp's TextModel.set_gguf_parameters (and LlamaModel's) write."""
+    import gguf
+
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = _rope_parameters(config)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    kind = str(rope["rope_type"]).lower()
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif kind not in ("default", "llama3"):  # llama3 travels as the rope_freqs tensor
+        raise UserError(f"{model_dir}/config.json: rope type {kind!r} cannot be exported to GGUF "
+                        "(supported: default, linear, yarn, llama3)")
+    if arch.writes_vocab_and_rope_dim:
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(_head_dim(config))
+
+
+def _pre_tokenizer_by_rule(tokenizer: Any) -> str | None:
+    rule = json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
+    steps = rule.get("pretokenizers", [rule])
+    if len(steps) == 1 and steps[0].get("type") == "ByteLevel" and steps[0].get("use_regex"):
+        return "gpt-2"
+    split = steps[0] if steps and steps[0].get("type") == "Split" else {}
+    return _SPLIT_RULES.get((split.get("pattern") or {}).get("Regex", ""))
+
+
+def _add_tokenizer(writer: Any, model_dir: Path, vocab_size: int) -> None:
+    """A GPT-2-style BPE vocabulary with merges, special tokens and chat template (llama.cpp's
+    _set_vocab_gpt2 + get_vocab_base), so llama.cpp's chat mode needs no extra flags."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    if not (model_dir / "tokenizer.json").is_file():
+        raise UserError(f"{model_dir}: no tokenizer.json; GGUF export needs the base's fast (BPE) "
+                        "tokenizer beside its weights")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    digest = sha256(str(tokenizer.encode(_CHECK_TEXT)).encode()).hexdigest()
+    pre = _PRE_TOKENIZERS.get(digest) or _pre_tokenizer_by_rule(tokenizer)
+    if pre is None:
+        raise UserError(f"{model_dir}/tokenizer.json: its pre-tokenizer is not one llama.cpp knows for "
+                        f"the supported families (check hash {digest[:16]}); export works for Llama 3, "
+                        "Qwen2 and SmolLM tokenizers")
+    reverse = {index: token for token, index in tokenizer.get_vocab().items()}
+    added = tokenizer.added_tokens_decoder
+    tokens: list[str] = []
+    types: list[int] = []
+    for index in range(vocab_size):
+        token = reverse.get(index)
+        if token is None:
+            tokens.append(f"[PAD{index}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif index in added:
+            tokens.append(token)
+            types.append(gguf.TokenType.CONTROL if added[index].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(token)
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
+    # Tokenizers saved by transformers 5 keep add_bos_token in the post-processor, not in
+    # tokenizer_config.json where SpecialVocab looks: say what the tokenizer really does.
+    probe = tokenizer("a").input_ids
+    special.add_special_token.setdefault("bos", bool(probe) and probe[0] == tokenizer.bos_token_id
+                                         and tokenizer.bos_token_id is not None)
+    special.add_to_gguf(writer, quiet=True)
+
+
+# --------------------------------------------------------------------------- the adapter
+
+
+@dataclass
+class AdapterWeights:
+    """A PEFT LoRA adapter read as per-base-weight updates."""
+
+    directory: Path
+    config: dict[str, Any]
+    # base weight name ("model.layers.0.self_attn.q_proj.weight") -> (A, B, magnitude or None)
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+    @property
+    def dora(self) -> bool:
+        return bool(self.config.get("use_dora"))
+
+    def scale(self, rank: int) -> float:
+        """What peft multiplies B@A by: alpha/r, or alpha/sqrt(r) with rsLoRA."""
+        alpha = float(self.config["lora_alpha"])
+        return alpha / math.sqrt(rank) if self.config.get("use_rslora") else alpha / rank
+
+    def delta(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The base weight (fp32) with this adapter folded in, as peft's merge computes it."""
+        lora_a, lora_b, magnitude = self.modules[name]
+        merged = weight.float() + self.scale(lora_a.shape[0]) * (lora_b.float() @ lora_a.float())
+        if magnitude is not None:
+            # DoRA: each output row rescaled to its learned magnitude (peft's DoraLinearLayer:
+            # weight_norm over dim 1 of W + s*B@A, merged as magnitude / norm * (W + s*B@A)).
+            merged = merged * (magnitude.float() / torch.linalg.norm(merged, dim=1)).unsqueeze(1)
+        return merged
+
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def read_adapter(adapter_dir: Path) -> AdapterWeights:
+    """The adapter's LoRA matrices keyed by the base weight they update; one-line errors for what
+    GGUF export cannot carry."""
+    from safetensors.torch import load_file
+
+    config_file = adapter_dir / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{config_file}: peft_type {config.get('peft_type')} is not LoRA; only LoRA "
+                        "adapters export to GGUF")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise UserError(f"{config_file}: {key} is set; per-module ranks or alphas are not "
+                            "supported by GGUF export")
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        module, _, kind = key.removeprefix(_PEFT_PREFIX).rpartition(".lora_")
+        if not module:
+            raise UserError(f"{adapter_dir}/adapter_model.safetensors: tensor {key} is not a LoRA "
+                            "matrix; only LoRA A/B (and DoRA magnitudes) export to GGUF")
+        parts.setdefault(module, {})[kind] = value
+    modules = {}
+    for module, kinds in parts.items():
+        if "A.weight" not in kinds or "B.weight" not in kinds:
+            raise UserError(f"{adapter_dir}/adapter_model.safetensors: {module} has "
+                            f"{sorted(kinds)}, not a LoRA A/B pair (embedding adapters do not export)")
+        modules[f"{module}.weight"] = (kinds["A.weight"], kinds["B.weight"],
+                                       kinds.get("magnitude_vector"))
+    return AdapterWeights(adapter_dir, config, modules)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+@dataclass
+class _Planned:
+    name: str  # llama.cpp's tensor name
+    qtype: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor]  # the tensor's fp32 values, made when its turn comes
+
+
+def _encode(values: torch.Tensor, qtype: Any) -> np.ndarray:
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    if qtype == q.F32:
+        return values.float().contiguous().numpy()
+    if qtype == q.F16:
+        return values.to(torch.float16).contiguous().numpy()
+    if qtype == q.BF16:  # torch rounds to nearest even, as gguf.quants.BF16 does, and faster
+        raw = values.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+        return raw.view(np.uint8)
+    return gguf.quants.quantize(values.float().contiguous().numpy(), qtype)
+
+
+def _weight_type(shape: tuple[int, ...], wanted: Any) -> Any:
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    if len(shape) == 1:
+        return q.F32
+    block, _ = gguf.GGML_QUANT_SIZES[wanted]
+    # Rows that do not split into whole blocks fall back to F16, as llama.cpp's converter does.
+    return wanted if shape[-1] % block == 0 else q.F16
+
+
+def _write(out: Path, arch_name: str, fill: Callable[[Any], None], planned: list[_Planned]) -> Path:
+    """One GGUF file: keys from fill(writer), then the planned tensors streamed in order; the file
+    appears at out only when complete."""
+    import gguf
+
+    target = Path(out).expanduser()
+    with replacing(target) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch_name)
+        fill(writer)
+        for item in planned:
+            byte_shape = gguf.quant_shape_to_byte_shape(item.shape, item.qtype)
+            element = {gguf.GGMLQuantizationType.F32: np.float32,
+                       gguf.GGMLQuantizationType.F16: np.float16}.get(item.qtype)
+            if element is None:  # block types (and BF16) travel as their raw bytes
+                writer.add_tensor_info(item.name, byte_shape, np.dtype(np.uint8),
+                                       int(np.prod(byte_shape)), raw_dtype=item.qtype)
+            else:
+                writer.add_tensor_info(item.name, item.shape, np.dtype(element), int(np.prod(byte_shape)))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for item in planned:
+            values = item.make()
+            if tuple(values.shape) != item.shape:
+                raise RuntimeError(f"{item.name}: made {tuple(values.shape)}, planned {item.shape}")
+            writer.write_tensor_data(_encode(values, item.qtype))
+        writer.close()
+    return target
+
+
+def _base_tensors(model_dir: Path) -> Iterator[tuple[str, Path, dict, int]]:
+    files = weight_files(model_dir)
+    if not files:
+        raise UserError(f"{model_dir}: no .safetensors weights in it; pass a Hugging Face model "
+                        "directory saved with safetensors")
+    for file in files:
+        header, data_start = read_header(file)
+        for name, meta in header.items():
+            yield name, file, meta, data_start
+
+
+def export_model(base_dir: Path, out: Path, file_type: str = "f16",
+                 adapter: AdapterWeights | None = None, name: str | None = None) -> Path:
+    """The base (or base + adapter, merged) as one GGUF model file."""
+    import gguf
+
+    ftype, wanted = _file_types()[file_type]
+    config = _hf_config(base_dir)
+    arch = architecture_of(config, base_dir)
+    n_head = config["num_attention_heads"]
+    n_head_kv = config.get("num_key_value_heads", n_head)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_name.upper()],
+                                     config["num_hidden_layers"])
+    pending = dict(adapter.modules) if adapter else {}
+    planned: list[_Planned] = []
+    rope = _rope_parameters(config)
+    if arch.permute_qk and str(rope["rope_type"]).lower() == "llama3":
+        factors = _llama3_rope_factors(rope, _head_dim(config))
+        planned.append(_Planned(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                                gguf.GGMLQuantizationType.F32, tuple(factors.shape), lambda f=factors: f))
+    for hf_name, file, meta, data_start in _base_tensors(base_dir):
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise UserError(f"{file}: tensor {hf_name} has no llama.cpp name for {arch.gguf_name}; "
+                            "this checkpoint's layout cannot be exported")
+        shape = tuple(meta["shape"])
+        update = pending.pop(hf_name, None) is not None
+
+        def make(file: Path = file, meta: dict = meta, start: int = data_start, hf_name: str = hf_name,
+                 update: bool = update) -> torch.Tensor:
+            values = read_tensor(file, meta, start).float()
+            if update and adapter is not None:
+                values = adapter.delta(hf_name, values)
+            if arch.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+                values = permute_qk(values, n_head, n_head)
+            elif arch.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+                values = permute_qk(values, n_head, n_head_kv)
+            return values
+
+        planned.append(_Planned(gguf_name, _weight_type(shape, wanted), shape, make))
+    if pending:
+        raise UserError(f"--adapter {adapter.directory if adapter else ''}: it updates "
+                        f"{next(iter(pending))}, which the base {base_dir} does not have; pass the "
+                        "base the adapter was trained on")
+
+    def fill(writer: Any) -> None:
+        writer.add_type(gguf.GGUFType.MODEL)
+        writer.add_name(name or (f"{base_dir.name} + {adapter.directory.parent.name} LoRA" if adapter
+                                 else base_dir.name))
+        _add_hyperparameters(writer, arch, config, base_dir)
+        writer.add_file_type(ftype)
+        if wanted not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                          gguf.GGMLQuantizationType.BF16):
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _add_tokenizer(writer, base_dir, config["vocab_size"])
+
+    return _write(out, arch.gguf_name, fill, planned)
+
+
+def export_lora(base_dir: Path, adapter: AdapterWeights, out: Path, file_type: str = "f16") -> Path:
+    """The adapter alone as a GGUF LoRA file for llama.cpp's --lora (convert_lora_to_gguf.py's layout:
+    general.type=adapter, adapter.type=lora, adapter.lora.alpha, tensors NAME.weight.lora_a/lora_b)."""
+    import gguf
+
+    if adapter.dora:
+        raise UserError(f"--adapter {adapter.directory} is a DoRA adapter; llama.cpp's LoRA format has "
+                        "no magnitude vectors: export it merged (without --lora)")
+    if file_type not in LORA_TYPES:
+        raise UserError(f"--type {file_type}: a LoRA GGUF is written as one of {', '.join(LORA_TYPES)}")
+    _, wanted = _file_types()[file_type]
+    config = _hf_config(base_dir)
+    arch = architecture_of(config, base_dir)
+    n_head = config["num_attention_heads"]
+    n_head_kv = config.get("num_key_value_heads", n_head)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_name.upper()],
+                                     config["num_hidden_layers"])
+    shapes = {name: tuple(meta["shape"]) for name, _, meta, _ in _base_tensors(base_dir)}
+    ranks = set()
+    planned: list[_Planned] = []
+    for hf_name, (lora_a, lora_b, _) in adapter.modules.items():
+        base_shape = shapes.get(hf_name)
+        if base_shape != (lora_b.shape[0], lora_a.shape[1]):
+            raise UserError(f"--adapter {adapter.directory}: {hf_name} is {tuple(lora_b.shape[:1])} x "
+                            f"{tuple(lora_a.shape[1:])} in the adapter but {base_shape} in the base "
+                            f"{base_dir}; pass the base the adapter was trained on")
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight",))
+        if gguf_name is None or gguf_name.startswith(("token_embd", "output.")):
+            raise UserError(f"--adapter {adapter.directory}: {hf_name} cannot be carried by a GGUF "
+                            "LoRA file; export the merged model instead")
+        ranks.add(lora_a.shape[0])
+        b = lora_b.float()
+        # Only B's rows follow Q/K's rope permutation (convert_lora_to_gguf.py's LoraTorchTensor
+        # permutes B and leaves A, which acts on the input side).
+        if arch.permute_qk and hf_name.endswith("q_proj.weight"):
+            b = permute_qk(b, n_head, n_head)
+        elif arch.permute_qk and hf_name.endswith("k_proj.weight"):
+            b = permute_qk(b, n_head, n_head_kv)
+        for suffix, values in ((".lora_a", lora_a.float()), (".lora_b", b)):
+            shape = tuple(values.shape)
+            planned.append(_Planned(gguf_name + suffix, _weight_type(shape, wanted), shape,
+                                    lambda v=values: v))
+    if len(ranks) != 1:
+        raise UserError(f"--adapter {adapter.directory}: modules of ranks {sorted(ranks)}; one "
+                        "adapter.lora.alpha cannot scale them all")
+    rank = ranks.pop()
+    # llama.cpp scales by alpha / rank (llama_adapter_lora_weight::get_scale); the alpha written is
+    # the one that gives the scale peft used (for rsLoRA alpha/sqrt(r) -> alpha*sqrt(r)/r).
+    effective_alpha = adapter.scale(rank) * rank
+
+    def fill(writer: Any) -> None:
+        writer.add_type(gguf.GGUFType.ADAPTER)
+        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(effective_alpha))
+        writer.add_name(f"{base_dir.name} LoRA")
+
+    return _write(out, arch.gguf_name, fill, planned)

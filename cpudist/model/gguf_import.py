@@ -1,0 +1,147 @@
+"""Any GGUF file of a supported architecture (Llama, SmolLM2, Qwen2) as a base: `model.path=X.gguf`
+is converted once into the model cache as a plain Hugging Face directory of bf16 safetensors.
+
+The conversion streams: the GGUF file is mapped (gguf.GGUFReader), and each tensor is dequantized,
+un-permuted and written on its own, so a 7B GGUF converts in the memory of one tensor, not of the
+model in fp32 (transformers' own GGUF loader builds the whole model in fp32 first). Config and
+tokenizer come from transformers' GGUF readers, which read metadata only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cpudist.errors import UserError
+from cpudist.files import file_lock, replacing
+from cpudist.model.gguf_export import ARCHITECTURES
+from cpudist.model.safetensors_io import Spec, write_file, write_index
+
+log = logging.getLogger(__name__)
+
+SHARD_BYTES = 2 << 30
+
+
+def unpermute_qk(weight: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
+    """The inverse of llama.cpp's Q/K row permutation (permute_qk)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _reader(file: Path) -> Any:
+    import gguf
+
+    try:
+        with open(file, "rb") as handle:
+            magic = handle.read(4)
+        if magic != b"GGUF":
+            raise ValueError(f"starts with {magic!r}, not the GGUF magic")
+        return gguf.GGUFReader(file)
+    except (OSError, ValueError, IndexError, KeyError) as exc:
+        raise UserError(f"model.path={file}: not a readable GGUF file ({str(exc)[:160]}); it may be "
+                        "truncated or not GGUF: copy or download it again") from None
+
+
+def gguf_cache_dir(file: Path, cache_dir: Path) -> Path:
+    """Where a GGUF file converts to: keyed by its name, size and modification time."""
+    stat = file.stat()
+    key = hashlib.sha256(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir / "gguf" / f"{file.stem}-{key}"
+
+
+def convert_gguf(file: Path, cache_dir: Path) -> Path:
+    """The GGUF file as a Hugging Face model directory in the cache (converted once per node)."""
+    target = gguf_cache_dir(file, cache_dir)
+    with file_lock(target.parent / f".{target.name}.lock"):
+        if not (target / "config.json").exists():
+            _convert(file, target)
+    return target
+
+
+def _convert(file: Path, target: Path) -> None:
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    reader = _reader(file)
+    arch_field = reader.fields.get("general.architecture")
+    arch_name = arch_field.contents() if arch_field is not None else "(none)"
+    arch = next((a for a in ARCHITECTURES.values() if a.gguf_name == arch_name), None)
+    if arch is None:
+        raise UserError(f"model.path={file}: GGUF architecture {arch_name!r} is not supported as a "
+                        f"base; supported: {', '.join(a.gguf_name for a in ARCHITECTURES.values())}")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise UserError(f"model.path={file}: rope_freqs (Llama 3.1-style rope scaling) is not read "
+                        "from GGUF yet; use the Hugging Face directory of this model")
+    log.info("converting %s into %s (one time, tensor by tensor to bf16)", file, target)
+    try:
+        config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"model.path={file}: transformers cannot read its metadata "
+                        f"({str(exc).splitlines()[0][:160]})") from None
+    config.tie_word_embeddings = "output.weight" not in names
+    config.architectures = [arch.hf_name]
+    for key in ("quantization_config", "_name_or_path"):
+        if hasattr(config, key):
+            delattr(config, key)
+    config.dtype = torch.bfloat16
+    # The HF names this config's model has, mapped to their llama.cpp names (the inverse of
+    # what export writes).
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in
+                  AutoModelForCausalLM.from_config(config).state_dict().items()}
+    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_name.upper()],
+                                          config.num_hidden_layers)
+    by_gguf = {t.name: t for t in reader.tensors}
+    sources = {}
+    for hf_name, shape in shapes.items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        gguf_name = tensor_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name not in by_gguf:
+            raise UserError(f"model.path={file}: tensor {gguf_name} ({hf_name}) is missing; the file "
+                            "is incomplete or not a causal LM of this architecture")
+        sources[hf_name] = (by_gguf[gguf_name], shape)
+    n_head, n_head_kv = config.num_attention_heads, config.num_key_value_heads
+
+    def make(hf_name: str) -> torch.Tensor:
+        tensor, shape = sources[hf_name]
+        # A copy: the reader maps the file read-only, and F32/F16 tensors come back as views of it.
+        values = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type)))
+        values = values.reshape(shape)
+        if arch.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            values = unpermute_qk(values, n_head, n_head)
+        elif arch.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            values = unpermute_qk(values, n_head, n_head_kv)
+        return values.to(torch.bfloat16)
+
+    shards: list[dict[str, Spec]] = [{}]
+    size = 0
+    for hf_name, (_, shape) in sources.items():
+        spec = Spec(torch.bfloat16, shape)
+        if shards[-1] and size + spec.nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][hf_name] = spec
+        size += spec.nbytes
+    with replacing(target) as tmp:
+        tmp.mkdir(parents=True)
+        weight_map, total = {}, 0
+        for index, specs in enumerate(shards):
+            shard = (f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
+                     else "model.safetensors")
+            write_file(tmp / shard, specs, make)
+            weight_map.update(dict.fromkeys(specs, shard))
+            total += sum(spec.nbytes for spec in specs.values())
+        if len(shards) > 1:
+            write_index(tmp, weight_map, total)
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)

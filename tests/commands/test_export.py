@@ -1,0 +1,210 @@
+"""cpudist export: the GGUF files it writes hold what the model computes (merge checked against
+peft's, layout against the gguf reader), and bad input gets one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from cpudist.cli import main
+from cpudist.model.gguf_export import permute_qk, read_adapter
+
+
+def _peft_adapter(base: Path, out: Path, **lora: object) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A saved adapter with random (non-zero) B, and the merged weights peft computes for it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                           "gate_proj", "up_proj", "down_proj"],
+                        init_lora_weights=False, **lora)  # type: ignore[arg-type]
+    peft_model = get_peft_model(model, config)
+    peft_model.save_pretrained(out, safe_serialization=True)
+    merged = peft_model.merge_and_unload()
+    return out, {name: value.detach().clone() for name, value in merged.state_dict().items()}
+
+
+@pytest.mark.parametrize("method", [{}, {"use_rslora": True}, {"use_dora": True}],
+                         ids=["lora", "rslora", "dora"])
+def test_streamed_merge_equals_peft_merge(tiny_llama: Path, tmp_path: Path, method: dict) -> None:
+    from safetensors.torch import load_file
+
+    adapter_dir, expected = _peft_adapter(tiny_llama, tmp_path / "adapter", **method)
+    adapter = read_adapter(adapter_dir)
+    base = load_file(tiny_llama / "model.safetensors")
+    assert len(adapter.modules) == 2 * 7
+    for name in adapter.modules:
+        merged = adapter.delta(name, base[name])
+        assert not torch.allclose(merged, base[name].float(), atol=1e-4), name  # the update is there
+        torch.testing.assert_close(merged, expected[name], rtol=1e-5, atol=1e-6)
+
+
+def _read(file: Path) -> dict[str, torch.Tensor]:
+    reader = gguf.GGUFReader(file)
+    out = {}
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        out[tensor.name] = torch.from_numpy(values.copy()).float().reshape(
+            tuple(reversed(tensor.shape.tolist())))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen"])
+def test_exported_tensors_are_the_merged_weights_in_llama_cpp_layout(
+        kind: str, tiny_llama: Path, tiny_qwen: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    base_dir = tiny_llama if kind == "llama" else tiny_qwen
+    adapter_dir, merged = _peft_adapter(base_dir, tmp_path / "adapter")
+    out = tmp_path / "merged.gguf"
+    assert main(["export", "--base", str(base_dir), "--adapter", str(adapter_dir),
+                 "--out", str(out), "--type", "f32"]) == 0
+    written = _read(out)
+    base = load_file(base_dir / "model.safetensors")
+    assert len(written) == len(base)  # tied head: no output.weight, as llama.cpp's converter does
+    q = written["blk.1.attn_q.weight"]
+    k = written["blk.0.attn_k.weight"]
+    if kind == "llama":  # rope rows permuted the way llama.cpp's Llama graph reads them
+        torch.testing.assert_close(q, permute_qk(merged["model.layers.1.self_attn.q_proj.weight"], 4, 4))
+        torch.testing.assert_close(k, permute_qk(merged["model.layers.0.self_attn.k_proj.weight"], 4, 2))
+        assert not torch.allclose(q, merged["model.layers.1.self_attn.q_proj.weight"])
+    else:  # Qwen2: no permutation, biases carried
+        torch.testing.assert_close(q, merged["model.layers.1.self_attn.q_proj.weight"])
+        torch.testing.assert_close(written["blk.0.attn_q.bias"], base["model.layers.0.self_attn.q_proj.bias"])
+    down = "model.layers.1.mlp.down_proj.weight"
+    torch.testing.assert_close(written["blk.1.ffn_down.weight"], merged[down])
+    torch.testing.assert_close(written["token_embd.weight"], base["model.embed_tokens.weight"])
+    fields = gguf.GGUFReader(out).fields
+    assert fields["general.architecture"].contents() == ("llama" if kind == "llama" else "qwen2")
+    # SmolLM2's vocabulary in both; transformers gives the Qwen2 class its own split rule.
+    assert fields["tokenizer.ggml.pre"].contents() == ("smollm" if kind == "llama" else "qwen2")
+    assert "{% for message in messages %}" in fields["tokenizer.chat_template"].contents()
+
+
+def test_lora_file_carries_the_scale_peft_uses(tiny_llama: Path, tmp_path: Path) -> None:
+    adapter_dir, _ = _peft_adapter(tiny_llama, tmp_path / "adapter", use_rslora=True)
+    out = tmp_path / "lora.gguf"
+    assert main(["export", "--base", str(tiny_llama), "--adapter", str(adapter_dir), "--lora",
+                 "--out", str(out), "--type", "f32"]) == 0
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["general.type"].contents() == "adapter"
+    assert reader.fields["adapter.type"].contents() == "lora"
+    # llama.cpp scales by alpha/rank; rsLoRA's alpha/sqrt(r) = 8/2 needs alpha 16 at rank 4.
+    assert reader.fields["adapter.lora.alpha"].contents() == pytest.approx(16.0)
+    written = _read(out)
+    adapter = read_adapter(adapter_dir)
+    lora_a, lora_b, _ = adapter.modules["model.layers.0.self_attn.k_proj.weight"]
+    torch.testing.assert_close(written["blk.0.attn_k.weight.lora_a"], lora_a)
+    torch.testing.assert_close(written["blk.0.attn_k.weight.lora_b"], permute_qk(lora_b, 4, 2))
+    assert len(written) == 2 * 14
+
+
+def test_bad_input_gets_one_line_errors(tiny_llama: Path, tiny_qwen: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    import shutil
+
+    def error(argv: list[str]) -> str:
+        assert main(argv) != 0
+        message = capsys.readouterr().err.strip()
+        assert len(message.splitlines()) == 1, message
+        return message
+
+    dora_dir, _ = _peft_adapter(tiny_llama, tmp_path / "dora", use_dora=True)
+    assert "DoRA" in error(["export", "--base", str(tiny_llama), "--adapter", str(dora_dir), "--lora",
+                            "--out", str(tmp_path / "x.gguf")])
+    # An architecture llama.cpp export does not cover.
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama, other)
+    config = json.loads((other / "config.json").read_text())
+    config["architectures"] = ["GPTNeoXForCausalLM"]
+    (other / "config.json").write_text(json.dumps(config))
+    assert "GPTNeoXForCausalLM cannot be exported" in error(
+        ["export", "--base", str(other), "--out", str(tmp_path / "y.gguf")])
+    # An adapter trained on another base (the Qwen's projections have biases, the same shapes:
+    # make the shapes differ with a wider Llama).
+    lora_dir, _ = _peft_adapter(tiny_llama, tmp_path / "lora")
+    wide = tmp_path / "wide"
+    shutil.copytree(tiny_llama, wide)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(wide / "model.safetensors")
+    weights["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(96, 64)
+    save_file(weights, wide / "model.safetensors", metadata={"format": "pt"})
+    assert "pass the base the adapter was trained on" in error(
+        ["export", "--base", str(wide), "--adapter", str(lora_dir), "--lora",
+         "--out", str(tmp_path / "z.gguf")])
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "z.gguf").exists()
+    # An existing file is not replaced without --force.
+    (tmp_path / "keep.gguf").write_text("mine")
+    assert "--force" in error(["export", "--base", str(tiny_llama), "--out", str(tmp_path / "keep.gguf")])
+    assert (tmp_path / "keep.gguf").read_text() == "mine"
+
+
+def test_any_gguf_is_a_base_converted_tensor_by_tensor(tiny_qwen: Path, tiny_llama: Path,
+                                                        tmp_path: Path) -> None:
+    """Our own GGUF of each architecture reads back to the original weights (bf16 rounding), and
+    the real llama.cpp-written SmolLM2 Q4_1 file reads back to what transformers' loader makes."""
+    from safetensors.torch import load_file
+
+    from cpudist.config import ModelConfig
+    from cpudist.model.load import resolve_model_path
+
+    for base_dir in (tiny_llama, tiny_qwen):
+        file = tmp_path / f"{base_dir.name}.gguf"
+        assert main(["export", "--base", str(base_dir), "--out", str(file), "--type", "f32"]) == 0
+        converted = resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache")))
+        assert converted.parent == tmp_path / "cache" / "gguf"
+        original, back = load_file(base_dir / "model.safetensors"), load_file(converted / "model.safetensors")
+        assert set(back) == set(original)
+        for name, value in original.items():
+            assert back[name].dtype == torch.bfloat16
+            torch.testing.assert_close(back[name].float(), value.to(torch.bfloat16).float(), msg=name)
+        # Converted once: a second resolve reuses the directory.
+        mtime = (converted / "model.safetensors").stat().st_mtime_ns
+        assert resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache"))) == converted
+        assert (converted / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_llama_cpp_written_gguf_reads_back_like_transformers(smol_dir: Path, tmp_path: Path) -> None:
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    from cpudist.config import ModelConfig
+    from cpudist.model.load import BUILTIN_MODELS, resolve_model_path
+
+    package, name = BUILTIN_MODELS["smollm2-135m-instruct"]
+    spec = importlib.util.find_spec(package)
+    assert spec is not None and spec.submodule_search_locations
+    file = Path(next(iter(spec.submodule_search_locations))) / name
+    converted = resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache")))
+    ours = load_file(converted / "model.safetensors")
+    reference = load_file(smol_dir / "model.safetensors")  # transformers' fp32 conversion
+    assert set(ours) == set(reference)
+    for key in ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        torch.testing.assert_close(ours[key].float(), reference[key].to(torch.bfloat16).float(), msg=key)
+
+
+def test_bad_gguf_files_get_one_line_errors(tiny_llama: Path, tmp_path: Path) -> None:
+    from cpudist.config import ModelConfig
+    from cpudist.errors import UserError
+    from cpudist.model.load import resolve_model_path
+
+    good = tmp_path / "good.gguf"
+    assert main(["export", "--base", str(tiny_llama), "--out", str(good), "--type", "q8_0"]) == 0
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    text = tmp_path / "text.gguf"
+    text.write_text("not a model\n")
+    for bad, words in ((cut, "truncated or not GGUF"), (text, "not the GGUF magic")):
+        with pytest.raises(UserError) as caught:
+            resolve_model_path(ModelConfig(path=str(bad), cache_dir=str(tmp_path / "cache")))
+        assert words in str(caught.value) and "\n" not in str(caught.value)
+    assert not list((tmp_path / "cache" / "gguf").glob("[!.]*"))  # nothing half-converted left

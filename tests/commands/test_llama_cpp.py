@@ -1,0 +1,187 @@
+"""The GGUF round trip on the real SmolLM2, checked by llama.cpp itself (llama-cpp-python):
+train -> export merged f16 and q8_0, the base f16 and the LoRA alone -> llama.cpp runs each.
+
+The reference is transformers on the model `cpudist merge` writes (fp32). f16 weights move a
+token's log-prob by up to LOGPROB_TOL (measured: 0.024 nat at most on this model), so two logits
+closer than twice that (a near tie) may swap: greedy tokens are compared wherever transformers'
+top two logits are further apart, and free-running continuations where no near tie occurs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import cpudist_cmd, run, tiny_overrides, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is in the dev extra")
+
+PROMPTS = ["What is your favourite colour?", "Can you tell me about the weather?",
+           "Who are you?", "What do you like to do for fun?", "Do you know any good books?"]
+NEW_TOKENS = 12
+VAL_ROWS = 40
+LOGPROB_TOL = 0.05
+NEAR_TIE = 2 * LOGPROB_TOL
+
+
+@pytest.fixture(scope="module")
+def exported(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A short fp32 run on chatterbot pairs (a held-out validation file), then every export."""
+    from cpudist.data.read import read_records, resolve_data_path
+
+    root = tmp_path_factory.mktemp("gguf")
+    rows = read_records(resolve_data_path("chatterbot:english", str(root / "data-cache")))
+    val_file = write_jsonl(root / "val.jsonl", rows[:VAL_ROWS])
+    train_file = write_jsonl(root / "train.jsonl", rows[VAL_ROWS:])
+    out = root / "run"
+    # A learning rate high enough that the adapter visibly moves the model (asserted below).
+    overrides = tiny_overrides(smol_dir, train_file, out, data__val_path=val_file,
+                               data__max_length=96, train__max_steps=12, train__lr=4e-3,
+                               lora__r=16, lora__alpha=32, train__eval_batches=1)
+    result = run([*cpudist_cmd(), "train", *overrides])
+    assert result.returncode == 0, result.stderr[-3000:]
+    files = {"merged_f16": ["--adapter", out, "--type", "f16"],
+             "merged_q8_0": ["--adapter", out, "--type", "q8_0"],
+             "base_f16": ["--type", "f16"],
+             "lora_f16": ["--adapter", out, "--lora", "--type", "f16"]}
+    paths = {}
+    for name, flags in files.items():
+        paths[name] = root / f"{name}.gguf"
+        result = run([*cpudist_cmd(), "export", "--base", smol_dir, *flags, "--out", paths[name]])
+        assert result.returncode == 0, result.stderr[-3000:]
+    merged_dir = root / "merged-hf"
+    result = run([*cpudist_cmd(), "merge", "--base", smol_dir, "--adapter", out, "--out", merged_dir])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"paths": paths, "merged_hf": merged_dir, "base_hf": smol_dir, "val": val_file}
+
+
+def _llama(path: Path, lora: Path | None = None) -> object:
+    return llama_cpp.Llama(model_path=str(path), lora_path=str(lora) if lora else None, n_ctx=512,
+                           logits_all=True, n_threads=2, verbose=False, seed=0)
+
+
+def _logprobs(llm: object, ids: list[int]) -> np.ndarray:
+    """log p(ids[i] | ids[:i]) for i >= 1, from llama.cpp's logits."""
+    llm.reset()  # type: ignore[attr-defined]
+    llm.eval(ids)  # type: ignore[attr-defined]
+    logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)  # type: ignore[attr-defined]
+    logits -= logits.max(axis=1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    return logp[np.arange(len(ids) - 1), ids[1:]]
+
+
+def _greedy(llm: object, ids: list[int], n: int) -> list[int]:
+    """Up to n argmax tokens, ending at the end-of-turn token as generation does."""
+    out = list(ids)
+    for _ in range(n):
+        llm.reset()  # type: ignore[attr-defined]
+        llm.eval(out)  # type: ignore[attr-defined]
+        out.append(int(np.argmax(llm.scores[len(out) - 1])))  # type: ignore[attr-defined]
+        if out[-1] == llm.token_eos():  # type: ignore[attr-defined]
+            break
+    return out[len(ids):]
+
+
+@pytest.fixture(scope="module")
+def reference(exported: dict) -> dict:
+    """Prompts in the chat template, transformers' greedy continuation on the merged model and its
+    per-token log-probs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(exported["merged_hf"])
+    model = AutoModelForCausalLM.from_pretrained(exported["merged_hf"], dtype=torch.float32).eval()
+    cases = []
+    for prompt in PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                            add_generation_prompt=True, return_dict=False)
+        with torch.no_grad():
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
+                                       do_sample=False)[0].tolist()
+            logits = model(torch.tensor([generated])).logits[0, :-1].double()
+        logp = torch.log_softmax(logits, -1)[torch.arange(len(generated) - 1), torch.tensor(generated[1:])]
+        top2 = logits[len(ids) - 1:].topk(2, dim=-1).values
+        cases.append({"prompt": prompt, "ids": ids, "continuation": generated[len(ids):],
+                      "logprobs": logp.numpy(), "margins": (top2[:, 0] - top2[:, 1]).tolist()})
+    return {"cases": cases, "tokenizer": tokenizer}
+
+
+def test_adapter_changes_the_model_measurably(exported: dict, reference: dict) -> None:
+    base = _llama(exported["paths"]["base_f16"])
+    merged = _llama(exported["paths"]["merged_f16"])
+    shifts, differing = [], 0
+    for case in reference["cases"]:
+        full = case["ids"] + case["continuation"]
+        shifts.append(np.abs(_logprobs(merged, full) - _logprobs(base, full)).mean())
+        differing += _greedy(base, case["ids"], NEW_TOKENS) != case["continuation"]
+    # The checks below compare against the merged model: they would pass by returning the base
+    # unless the adapter moves the model well beyond the f16 tolerance (0.1 nat) used there.
+    assert min(shifts) > 0.3, shifts
+    assert differing >= 2
+
+
+def _assert_same_model(llm: object, reference: dict) -> None:
+    """llama.cpp's log-probs, argmax tokens and greedy continuations equal transformers' on the
+    merged model (within LOGPROB_TOL; near ties excepted, see the module docstring)."""
+    compared = free_running = 0
+    for case in reference["cases"]:
+        full = case["ids"] + case["continuation"]
+        logp = _logprobs(llm, full)
+        diff = np.abs(logp - case["logprobs"])
+        assert diff.max() < LOGPROB_TOL, (case["prompt"], diff.max())
+        # Teacher-forced: at each continuation position, the same argmax unless near a tie.
+        for i, token in enumerate(case["continuation"]):
+            if case["margins"][i] >= NEAR_TIE:
+                llm.reset()  # type: ignore[attr-defined]
+                llm.eval(full[: len(case["ids"]) + i])  # type: ignore[attr-defined]
+                assert int(np.argmax(llm.scores[len(case["ids"]) + i - 1])) == token, case  # type: ignore[attr-defined]
+                compared += 1
+        if min(case["margins"]) >= NEAR_TIE:
+            assert _greedy(llm, case["ids"], NEW_TOKENS) == case["continuation"], case["prompt"]
+            free_running += 1
+    assert compared >= NEW_TOKENS and free_running >= 1, (compared, free_running)
+
+
+def test_merged_f16_matches_transformers(exported: dict, reference: dict) -> None:
+    merged = _llama(exported["paths"]["merged_f16"])
+    for case in reference["cases"]:
+        # llama.cpp's own tokenizer reads the chat-templated text into transformers' ids.
+        text = reference["tokenizer"].decode(case["ids"])
+        assert merged.tokenize(text.encode(), add_bos=False, special=True) == case["ids"]
+    _assert_same_model(merged, reference)
+
+
+def test_base_plus_lora_matches_merged(exported: dict, reference: dict) -> None:
+    paired = _llama(exported["paths"]["base_f16"], lora=exported["paths"]["lora_f16"])
+    _assert_same_model(paired, reference)
+
+
+def test_q8_0_perplexity_within_2_percent_of_f16(exported: dict, reference: dict) -> None:
+    """On the held-out split's answer tokens, the tokens cpudist's validation loss scores."""
+    tokenizer = reference["tokenizer"]
+    rows = [json.loads(line) for line in exported["val"].read_text().splitlines()]
+    texts = [(tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=False),
+              len(tokenizer.apply_chat_template(row["messages"][:-1], tokenize=True,
+                                                add_generation_prompt=True, return_dict=False)))
+             for row in rows]
+    perplexity = {}
+    for name in ("merged_f16", "merged_q8_0"):
+        llm = _llama(exported["paths"][name])
+        logp = np.concatenate([_logprobs(llm, ids)[start - 1:] for ids, start in texts])
+        perplexity[name] = math.exp(-logp.mean())
+    ratio = perplexity["merged_q8_0"] / perplexity["merged_f16"]
+    assert abs(ratio - 1) < 0.02, perplexity
+
+
+def test_chat_mode_works_from_the_file_alone(exported: dict) -> None:
+    """The chat template and stop token travel in the file: llama.cpp's chat API needs no flags."""
+    merged = _llama(exported["paths"]["merged_q8_0"])
+    reply = merged.create_chat_completion(  # type: ignore[attr-defined]
+        messages=[{"role": "user", "content": "Hello, who are you?"}], max_tokens=24, temperature=0)
+    text = reply["choices"][0]["message"]["content"]
+    assert text.strip() and "<|im_start|>" not in text and "<|im_end|>" not in text
