@@ -6,7 +6,12 @@ import argparse
 import json
 import math
 
-from cpudist.commands.common import add_model_arguments, add_quantize_arguments, fill_from_run
+from cpudist.commands.common import (
+    add_model_arguments,
+    add_quantize_arguments,
+    fill_from_run,
+    settle_base,
+)
 from cpudist.errors import UserError
 
 HELP = "loss, perplexity and token accuracy on a data file"
@@ -40,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from cpudist.train.evaluate import evaluate_file
     from cpudist.train.session import open_session
 
+    settle_base(args)
     fill_from_run(args, ["format", "max_length", "batch_size", "system", "dtype", "quantize",
                          "quantize_group"])
     for flag, value, least in (("--max-length", args.max_length, 2),

@@ -69,15 +69,21 @@ def prepare_output(config: Config) -> Path:
     return out
 
 
-def save_final_adapter(model: Any, target: Path) -> None:
-    """OUTPUT/adapter, replaced atomically; a failure says where the same weights still are."""
+def save_final_adapter(model: Any, target: Path, record: dict[str, Any] | None = None,
+                       training: dict[str, Any] | None = None) -> None:
+    """OUTPUT/adapter (with its base record and model card when `record` is given: see
+    cpudist.model.provenance), replaced atomically; a failure says where the same weights still
+    are."""
     from safetensors import SafetensorError
 
     from cpudist.model.adapters import save_adapter
+    from cpudist.model.provenance import write_provenance
 
     try:
         with replacing(target) as tmp:
             save_adapter(model, tmp)
+            if record is not None:
+                write_provenance(tmp, record, training)
     except (OSError, SafetensorError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise UserError(f"could not write the adapter to {target}: {reason}. The same weights are "
