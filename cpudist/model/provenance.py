@@ -195,7 +195,7 @@ def _card(record: dict[str, Any], training: dict[str, Any]) -> str:
         "With cpudist (the base is found from `cpudist_base.json`; pass `--base DIR` where it has "
         "moved; `cpudist merge` writes base + adapter as one model):", "",
         "```bash", "cpudist generate --adapter path/to/this/adapter \"Your question\"",
-        "cpudist eval --adapter path/to/this/adapter --task configs/tasks/chatterbot-mc.jsonl",
+        "cpudist eval --adapter path/to/this/adapter --task configs/tasks/chatterbot-trivia-mc.jsonl",
         "cpudist merge --adapter path/to/this/adapter --out merged/", "```", "",
     ]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))

@@ -1,8 +1,10 @@
 """The output directory of a run (written by rank 0 alone):
 
   config.yaml      the resolved config        metrics.jsonl   one line per logged step
-  adapter/         the final adapter (PEFT)   checkpoints/    resumable step-N directories
+  adapter/         the final adapter (PEFT,   checkpoints/    resumable step-N directories
+                   its base record and card)
   summary.json     final figures              report.html, *.png   plots (cpudist.report.plots)
+  eval.json        `cpudist eval --task` results, base and adapter, one entry per task
 """
 
 from __future__ import annotations
@@ -126,3 +128,14 @@ def adapter_run_config(adapter_dir: Path) -> tuple[Config | None, Path | None]:
     except UserError as exc:
         print(f"note: ignoring {path} ({exc}); using default settings", file=sys.stderr)
         return None, None
+
+
+
+def run_dir_of(adapter_dir: Path) -> Path | None:
+    """OUTPUT/ of a run's adapter (OUTPUT/adapter or OUTPUT/checkpoints/step-N/adapter), or None
+    for an adapter that is not in a run directory."""
+    if not (adapter_dir.parent / "config.yaml").is_file():
+        return None
+    if adapter_dir.parent.parent.name == "checkpoints":
+        return adapter_dir.parent.parent.parent
+    return adapter_dir.parent
