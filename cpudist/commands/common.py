@@ -24,11 +24,36 @@ def split_settings(words: list[str]) -> tuple[str | None, list[str]]:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, adapter_required: bool = False) -> None:
-    parser.add_argument("--base", required=True, metavar="MODEL",
+    parser.add_argument("--base", metavar="MODEL",
                         help="base model: a local Hugging Face directory or a built-in name "
-                             "(smollm2-135m-instruct)")
+                             "(smollm2-135m-instruct); default with --adapter: the base the "
+                             "adapter records (its cpudist_base.json)")
     parser.add_argument("--adapter", required=adapter_required, metavar="DIR",
                         help="LoRA adapter: OUTPUT/adapter of a train run (or a checkpoint dir)")
+    parser.add_argument("--ignore-fingerprint", action="store_true",
+                        help="use a --base whose weights differ from those the adapter was "
+                             "trained on (its shapes must still fit)")
+
+
+def settle_base(args: argparse.Namespace) -> None:
+    """--base as a model directory: the given one or the adapter's recorded base, refused when
+    the adapter does not belong to it (cpudist.model.provenance). Before any slow load."""
+    import sys
+
+    from cpudist.model.adapters import resolve_adapter
+    from cpudist.model.provenance import check_base, resolve_base
+
+    if args.adapter is None:
+        if args.base is None:
+            raise UserError("--base MODEL is required without --adapter (a local Hugging Face "
+                            "directory or smollm2-135m-instruct)")
+        return
+    adapter_dir = resolve_adapter(args.adapter)
+    base_dir = resolve_base(adapter_dir, args.base)
+    check_base(adapter_dir, base_dir, args.ignore_fingerprint)
+    if args.base is None:
+        print(f"base: {base_dir} (recorded by the adapter)", file=sys.stderr)
+    args.base = str(base_dir)
 
 
 def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cpudist.commands.common import add_model_arguments, add_quantize_arguments, fill_from_run
+from cpudist.commands.common import (
+    add_model_arguments,
+    add_quantize_arguments,
+    fill_from_run,
+    settle_base,
+)
 from cpudist.errors import UserError
 
 HELP = "answer a prompt with a base model (and adapter), streaming tokens"
@@ -32,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from cpudist.train.generate import generate, prompt_ids
     from cpudist.train.session import open_session
 
+    settle_base(args)
     fill_from_run(args, ["system", "dtype", "quantize", "quantize_group"])
     if args.max_new_tokens <= 0:
         raise UserError("--max-new-tokens must be at least 1")

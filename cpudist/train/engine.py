@@ -13,6 +13,7 @@ clip -> AdamW (skipped when the loss or gradient is not finite) -> LR schedule.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -129,6 +130,14 @@ class Engine:
     @property
     def model(self) -> nn.Module:
         return self.session.model
+
+    @functools.cached_property
+    def base_record(self) -> dict[str, Any]:
+        """What saved adapters record about their base (cpudist.model.provenance): read from the
+        base's files when rank 0 first saves one, then kept."""
+        from cpudist.model.provenance import base_record
+
+        return base_record(self.config.model, self.session.model_dir, self.config.lora)
 
     @property
     def global_batch(self) -> int:

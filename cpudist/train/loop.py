@@ -187,7 +187,9 @@ def _run(config: Config, process: Process) -> dict[str, Any] | None:
     answers_after = answer_prompts(engine.session, prompts, tc.max_new_tokens)
     if not placement.is_main:
         return None
-    save_final_adapter(engine.model, out / "adapter")
+    save_final_adapter(engine.model, out / "adapter", engine.base_record, {
+        "steps": state.step, "train_loss": last_loss if math.isfinite(last_loss) else None,
+        "val_loss_before": before.get("val_loss"), "val_loss_after": after.get("val_loss")})
     if metrics is not None:
         if after:
             metrics.write({"step": state.step, **after})

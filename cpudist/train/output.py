@@ -1,8 +1,10 @@
 """The output directory of a run (written by rank 0 alone):
 
   config.yaml      the resolved config        metrics.jsonl   one line per logged step
-  adapter/         the final adapter (PEFT)   checkpoints/    resumable step-N directories
+  adapter/         the final adapter (PEFT,   checkpoints/    resumable step-N directories
+                   its base record and card)
   summary.json     final figures              report.html, *.png   plots (cpudist.report.plots)
+  eval.json        `cpudist eval --task` results, base and adapter, one entry per task
 """
 
 from __future__ import annotations
@@ -69,15 +71,21 @@ def prepare_output(config: Config) -> Path:
     return out
 
 
-def save_final_adapter(model: Any, target: Path) -> None:
-    """OUTPUT/adapter, replaced atomically; a failure says where the same weights still are."""
+def save_final_adapter(model: Any, target: Path, record: dict[str, Any] | None = None,
+                       training: dict[str, Any] | None = None) -> None:
+    """OUTPUT/adapter (with its base record and model card when `record` is given: see
+    cpudist.model.provenance), replaced atomically; a failure says where the same weights still
+    are."""
     from safetensors import SafetensorError
 
     from cpudist.model.adapters import save_adapter
+    from cpudist.model.provenance import write_provenance
 
     try:
         with replacing(target) as tmp:
             save_adapter(model, tmp)
+            if record is not None:
+                write_provenance(tmp, record, training)
     except (OSError, SafetensorError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise UserError(f"could not write the adapter to {target}: {reason}. The same weights are "
@@ -120,3 +128,14 @@ def adapter_run_config(adapter_dir: Path) -> tuple[Config | None, Path | None]:
     except UserError as exc:
         print(f"note: ignoring {path} ({exc}); using default settings", file=sys.stderr)
         return None, None
+
+
+
+def run_dir_of(adapter_dir: Path) -> Path | None:
+    """OUTPUT/ of a run's adapter (OUTPUT/adapter or OUTPUT/checkpoints/step-N/adapter), or None
+    for an adapter that is not in a run directory."""
+    if not (adapter_dir.parent / "config.yaml").is_file():
+        return None
+    if adapter_dir.parent.parent.name == "checkpoints":
+        return adapter_dir.parent.parent.parent
+    return adapter_dir.parent
