@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from cpudist.commands.common import add_model_arguments, add_quantize_arguments, fill_from_run
+from cpudist.commands.common import (
+    add_model_arguments,
+    add_quantize_arguments,
+    fill_from_run,
+    settle_base,
+)
 
 HELP = "write a GGUF file for llama.cpp / Ollama: merged model, base alone, or LoRA adapter alone"
 DESCRIPTION = (
@@ -45,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from cpudist.runtime.process import quiet_libraries
 
     quiet_libraries()
+    settle_base(args)  # the adapter's recorded base when --base is left out; refuses a wrong one
     out = Path(args.out).expanduser()
     if out.exists() and not args.force:
         raise UserError(f"--out {args.out} already exists; choose a new file or pass --force")
