@@ -328,13 +328,15 @@ def fake_cluster(count: int, prefix: str | None = None, link: Link | None = None
                 signal.signal(sig, handler)
 
 
-def run_action(action: str, count: int | None, prefix: str) -> int:
+def run_action(action: str, count: int | None, prefix: str, link: str | None = None) -> int:
     if action == "up":
         if count is None:
             raise UserError("fake-cluster up N: give the number of nodes")
-        cluster = up(count, prefix)
+        shape = parse_link(link) if link else None
+        cluster = up(count, prefix, link=shape)
         print(f"up: {' '.join(cluster.nodes)} on {cluster.ifname}, {cluster.address(0)}-"
-              f"{cluster.address(count - 1)}; launch agent {AGENT}")
+              f"{cluster.address(count - 1)}; launch agent {AGENT}"
+              + (f"; link {shape.describe()}" if shape else ""))
     elif action == "down":
         check_can_run()
         print(f"removed: {' '.join(down(prefix)) or 'nothing'}")
