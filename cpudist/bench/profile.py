@@ -82,6 +82,14 @@ def profile_table(profile: dict[str, Any]) -> str:
     for name, ms in profile["categories_ms"].items():
         lines.append(f"| {name} | {ms:.0f} | {100 * ms / wall:.1f} % |")
     lines.append(f"| **step (wall)** | **{wall:.0f}** | 100 % |")
+    ranks = profile.get("communication") or []
+    if len(ranks) > 1:
+        # cpudist.runtime.comm.CommMeter's definitions, as in the bench's figures.
+        lines += ["", "| rank | compute ms | wait for slowest ms | exposed allreduce ms | MB sent |",
+                  "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r} | {f['compute_s'] * 1e3:.0f} | {f['wait_s'] * 1e3:.0f} | "
+                  f"{f['exposed_s'] * 1e3:.0f} | {f['bytes'] / 1e6:.2f} |"
+                  for r, f in enumerate(ranks)]
     lines += ["", "| operator (own time) | ms |", "|---|---:|"]
     lines += [f"| {name} | {ms:.0f} |" for name, ms in profile["top_ops_ms"].items()]
     return "\n".join(lines)

@@ -25,7 +25,7 @@ from cpudist.config import Config
 from cpudist.data.batches import Batch
 from cpudist.data.tokenize import TokenizedSplit
 from cpudist.runtime.allocator import in_use as allocator_in_use
-from cpudist.runtime.comm import agreed, all_gather, allreduce, barrier
+from cpudist.runtime.comm import agreed, all_gather, allreduce, barrier, bus_gbps, step_figures
 from cpudist.runtime.memory import PssSampler, peak_rss_gb
 from cpudist.runtime.process import Process, start_process
 from cpudist.train.engine import Datasets, build_engine
@@ -70,8 +70,8 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
         return total  # all ranks ran at once: the node's peak
 
     peaks = [peak()]
-    comm: list[dict[str, float]] = []
-    waits: list[float] = []
+    comm: list[list[dict[str, float]]] = []  # per timed step, per rank (comm.step_figures)
+    losses: list[float] = []
     step_times: list[float] = []
     step_labels: list[float] = []
     fed = labels = model_flops = 0.0
@@ -79,8 +79,8 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
     timed_batches: list[Batch] = []
     with PssSampler() as pss:
         for step in range(total_steps):
-            waiting = time.perf_counter()
-            barrier(placement)  # this rank's wait for the slowest one of the previous step
+            # Every rank starts the step together, so compute times compare (comm.step_figures).
+            barrier(placement)
             started = time.perf_counter()
             engine.comm.take()
             epoch, index = bench_step_position(step, args.warmup, engine.batches.steps_per_epoch)
@@ -91,9 +91,8 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
                 placement)
             result = engine.step(micro)
             elapsed = time.perf_counter() - started
-            step_comm = engine.comm.take()
-            if step > args.warmup:
-                waits.append(started - waiting)
+            step_comm = step_figures(all_gather(engine.comm.take(started), placement))
+            losses.append(result.loss)
             if step >= args.warmup:
                 comm.append(step_comm)
                 step_times.append(elapsed)
@@ -115,8 +114,12 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
         epoch, index = bench_step_position(total_steps - 1, args.warmup,
                                            engine.batches.steps_per_epoch)
         micro = engine.micro_batches(epoch, index)
+        barrier(placement)
+        started = time.perf_counter()
+        engine.comm.take()
         profile = profile_step(lambda: engine.step(micro))
-    waits_all = all_gather(waits, placement)
+        # The same wait and exposed communication as the timed steps' (comm.step_figures).
+        profile["communication"] = step_figures(all_gather(engine.comm.take(started), placement))
     pad_cells, pad_real = allreduce([float(sum(b.input_ids.numel() for b in timed_batches)),
                                      float(sum(b.tokens for b in timed_batches))], placement)
     per_rank = all_gather((socket.gethostname(), peak_rss_gb(), pss.peak / 1024**3), placement)
@@ -128,9 +131,14 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
         node_pss[host] = node_pss.get(host, 0.0) + pss_gb
     peak_flops = max(peaks)
     achieved = model_flops / wall
-    comm_bytes = sum(c["bytes"] for c in comm) / max(1, len(comm))
-    comm_busy = sum(c["busy_s"] for c in comm)
     world = placement.world_size
+    steps = max(1, len(comm))
+
+    def rank_mean(key: str) -> list[float]:
+        return [sum(step[r][key] for step in comm) / steps for r in range(world)]
+
+    comm_bytes = statistics.mean(rank_mean("bytes"))
+    compute = rank_mean("compute_s")
     return {
         "tokens_per_s": fed / wall, "label_tokens_per_s": labels / wall,
         "samples_per_s": sample_count / wall, "s_per_step": wall / len(step_times),
@@ -148,13 +156,19 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
         "mfu_valid": achieved <= peak_flops,
         "model_tflops": achieved / 1e12, "peak_tflops": peak_flops / 1e12,
         "peak_samples_tflops": [p / 1e12 for p in peaks],
-        # Gradient allreduce per timed step (cpudist.runtime.comm.CommMeter) and each rank's
-        # wait at the step boundary for the slowest rank.
+        # Per timed step, as cpudist.runtime.comm.CommMeter defines them: gradient bytes
+        # allreduced (per rank, as sent), communication not hidden behind backward (mean over
+        # ranks), achieved bus bandwidth, and per rank its compute time and wait for the slowest.
         "comm_mb_per_step": comm_bytes / 1e6,
-        "comm_exposed_s_per_step": sum(c["exposed_s"] for c in comm) / max(1, len(comm)),
-        "comm_bus_gbps": (comm_bytes * len(comm) * 2 * (world - 1) / world / comm_busy / 1e9
-                          if comm_busy > 0 else 0.0),
-        "wait_for_slowest_s": [statistics.mean(w) if w else 0.0 for w in waits_all],
+        "comm_exposed_s_per_step": statistics.mean(rank_mean("exposed_s")),
+        "comm_bus_gbps": bus_gbps(comm_bytes, statistics.mean(rank_mean("busy_s")), world),
+        "compute_s_per_rank": compute,
+        # (slowest - fastest) / mean compute time: the imbalance between ranks.
+        "compute_spread": (max(compute) - min(compute)) / statistics.mean(compute)
+        if statistics.mean(compute) > 0 else 0.0,
+        "wait_for_slowest_s": rank_mean("wait_s"),
+        "gradient_mb": sum(p.numel() * p.element_size() for _, p in engine.params) / 1e6,
+        "losses": losses,
         "profile": profile,
         "padding_fraction": 0.0 if pad_cells == 0 else 1.0 - pad_real / pad_cells,
         "dtype": precision.describe(), "threads": process.threads,

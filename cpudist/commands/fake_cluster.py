@@ -15,9 +15,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("count", nargs="?", type=int, help="number of nodes (up)")
     parser.add_argument("--prefix", default="node", help="node names PREFIX0, PREFIX1, ... "
                                                          "(default node)")
+    parser.add_argument("--link", metavar="RATE[,DELAY[,JITTER[,LOSS]]]",
+                        help="up: shape every node's link, e.g. 100mbit,5ms")
 
 
 def run(args: argparse.Namespace) -> int:
     from cpudist.launch.netns import run_action
 
-    return run_action(args.action, args.count, args.prefix)
+    return run_action(args.action, args.count, args.prefix, args.link)

@@ -92,11 +92,32 @@ def pack(data: TokenizedSplit, indices: list[int], pad_id: int, max_length: int)
     return Batch(ids, mask, labels, positions)
 
 
+def balance(indices: list[int], lengths: list[int], world: int) -> list[list[int]]:
+    """Deal one global micro-batch to `world` ranks, the same number of samples each, balanced by
+    token count: longest sample first onto the rank with the fewest tokens so far (among those
+    with room; ties to the lowest rank). Deterministic, and a function of the global micro-batch
+    only. Without it length grouping gave rank 0 the longest samples of every micro-batch, and
+    every other rank waited for it at the allreduce."""
+    if world == 1:
+        return [list(indices)]
+    per_rank = len(indices) // world
+    shares: list[list[int]] = [[] for _ in range(world)]
+    tokens = [0] * world
+    # Stable sort: equal lengths keep their order in the global batch.
+    for index in sorted(indices, key=lambda i: -lengths[i]):
+        rank = min((r for r in range(world) if len(shares[r]) < per_rank),
+                   key=lambda r: (tokens[r], r))
+        shares[rank].append(index)
+        tokens[rank] += lengths[index]
+    return shares
+
+
 class GlobalBatches:
     """One global order of micro-batches per epoch, cut into each rank's share.
 
-    Global micro-batch g holds batch_size * world samples; rank r takes the r-th slice. Every rank
-    gets the same number of steps (the tail that does not fill a whole optimizer step is dropped).
+    Global micro-batch g holds batch_size * world samples; `balance` deals them to the ranks,
+    batch_size each, balanced by token count. Every rank gets the same number of steps (the tail
+    that does not fill a whole optimizer step is dropped).
     """
 
     def __init__(self, data: TokenizedSplit, batch_size: int, grad_accum: int, world: int,
@@ -144,10 +165,13 @@ class GlobalBatches:
 
     def step_batches(self, epoch: int, step_in_epoch: int, rank: int) -> list[list[int]]:
         """This rank's sample indices for each micro-step of one optimizer step."""
-        batches = self.epoch_order(epoch)
-        first = step_in_epoch * self.grad_accum
-        lo, hi = rank * self.batch_size, (rank + 1) * self.batch_size
-        return [batches[first + k][lo:hi] for k in range(self.grad_accum)]
+        return [shares[rank] for shares in self.step_shares(epoch, step_in_epoch)]
+
+    def step_shares(self, epoch: int, step_in_epoch: int) -> list[list[list[int]]]:
+        """Every rank's samples of each micro-step of one optimizer step: [micro][rank]."""
+        lengths = self.data.lengths()
+        return [balance(batch, lengths, self.world)
+                for batch in self.global_step_batches(epoch, step_in_epoch)]
 
     def global_step_batches(self, epoch: int, step_in_epoch: int) -> list[list[int]]:
         batches = self.epoch_order(epoch)

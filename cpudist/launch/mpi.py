@@ -44,9 +44,10 @@ class Layout:
 
 
 def plan_layout(np: int, cores_per_node: int, hosts: hostfiles.Hostfile | None,
-                threads_per_rank: int | None) -> Layout:
+                threads_per_rank: int | None, bind: bool | None = None) -> Layout:
     """Ranks per node from the hostfile (all on this node without one); cores assumed the same on
-    every node as here (cpudist supports homogeneous clusters)."""
+    every node as here (cpudist supports homogeneous clusters). bind=False: never bind (the
+    "nodes" of a fake cluster share this machine's cores, and each would bind from core 0)."""
     if np < 1:
         raise UserError(f"-np {np}: need at least one rank")
     if hosts is None:
@@ -54,7 +55,7 @@ def plan_layout(np: int, cores_per_node: int, hosts: hostfiles.Hostfile | None,
     else:
         ranks_per_node, slots = max(hosts.ranks_per_host(np).values()), hosts.total_slots
     threads = threads_per_rank or max(1, cores_per_node // ranks_per_node)
-    bind = threads * ranks_per_node <= cores_per_node
+    bind = threads * ranks_per_node <= cores_per_node and bind is not False
     return Layout(ranks_per_node, threads, bind, oversubscribe=np > slots or not bind)
 
 
@@ -241,17 +242,19 @@ def build_command(
     forward: Sequence[str] = (),
     as_root: bool = False,
     mpi_args: Sequence[str] = (),
+    bind: bool | None = None,
 ) -> list[str]:
     """The full mpirun command line. Pure: everything it depends on is an argument.
 
     hostfile: path already in `mpi`'s syntax; hosts: its parsed content (for ranks per node).
     forward: names of variables set in the caller's environment to pass on to remote ranks.
+    bind: None to bind ranks to cores when they fit, False never (see plan_layout).
     ld_preload: the caller's current LD_PRELOAD, kept after the allocator.
     """
     if not program:
         raise UserError("nothing to run: put the cpudist command after '--', e.g. "
                         "cpudist launch -np 2 -- train configs/quickstart.yaml")
-    layout = plan_layout(np, cores_per_node, hosts, threads_per_rank)
+    layout = plan_layout(np, cores_per_node, hosts, threads_per_rank, bind)
     env = rank_env(layout, allocator, preload, ld_preload, forward)
     job = Job(np, layout, env, hostfile, forward, as_root)
     return [mpi.mpirun, *FLAVOURS[mpi.flavour].arguments(job), *mpi_args,

@@ -8,6 +8,13 @@ node's veth ends on a bridge that lives in a namespace of its own (PREFIXbr), so
 network namespace is never touched. Node names resolve inside the nodes through
 /etc/netns/PREFIXi/hosts (which `ip netns exec` mounts).
 
+A link shape (`parse_link`: rate, delay, jitter, loss) puts qdiscs on every node's interface
+(tbf for the rate, netem under it for delay, jitter and loss), so each packet between nodes
+crosses exactly one shaped egress: the rate is each node's sending rate and the delay the one-way
+latency between two nodes. Deleting a namespace deletes its interfaces and their qdiscs; nothing
+is ever left in the machine's own namespace, and `fake_cluster` removes its nodes also on
+SIGTERM/SIGHUP and at interpreter exit.
+
 MPI starts its remote ranks through the launch agent (netns-agent.sh beside this file) in place of
 ssh; mpirun itself runs inside the first node. The nodes share this machine's cores, which MPI
 cannot see: ranks get OMP_WAIT_POLICY=PASSIVE, or spinning OpenMP threads make every step ~10x
@@ -16,14 +23,18 @@ slower. Used by `cpudist fake-cluster` (launch/fake-cluster.sh) and by the tests
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cpudist.errors import UserError
@@ -61,11 +72,97 @@ def check_can_run() -> None:
             raise UserError(f"a fake cluster needs '{tool}': apt-get install {package}")
 
 
+# --------------------------------------------------------------------------- link shapes
+
+_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+_NUMBER = r"(\d+(?:\.\d+)?)"
+
+
+@dataclass(frozen=True)
+class Link:
+    """What every node's interface is shaped to (netem): tc's own spellings, and the numbers."""
+
+    rate: str  # e.g. 100mbit
+    delay: str | None = None  # one-way, e.g. 5ms
+    jitter: str | None = None  # e.g. 1ms (needs delay)
+    loss: str | None = None  # e.g. 0.1%
+    rate_bps: float = 0.0
+    delay_s: float = 0.0
+
+    @property
+    def burst_bytes(self) -> int:
+        """What tbf lets through at once: 10 ms at the rate, and at least two 64 KiB GSO packets
+        (veth sends them whole; a smaller bucket could never pass one)."""
+        return max(int(self.rate_bps / 8 / 100), 2 * 65536 + 1514)
+
+    @property
+    def needs_netem(self) -> bool:
+        return bool(self.delay or self.jitter or self.loss)
+
+    def qdiscs(self, dev: str) -> list[list[str]]:
+        """tc arguments, in order: tbf for the rate at the root (built into most kernels), and
+        under it netem for delay, jitter and loss when asked for (sch_netem, often a module)."""
+        # Queue: 200 ms at the rate before tbf drops (TCP's own pacing keeps it short).
+        commands = [["qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", self.rate,
+                      "burst", str(self.burst_bytes), "latency", "200ms"]]
+        if self.needs_netem:
+            netem = ["qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
+                     # netem's default queue of 1000 packets would drop at rate x delay.
+                     "limit", "100000"]
+            if self.delay:
+                netem += ["delay", self.delay] + ([self.jitter] if self.jitter else [])
+            if self.loss:
+                netem += ["loss", self.loss]
+            commands.append(netem)
+        return commands
+
+    def describe(self) -> str:
+        return ",".join(p for p in (self.rate, self.delay, self.jitter, self.loss) if p)
+
+
+def parse_link(text: str) -> Link:
+    """RATE[,DELAY[,JITTER[,LOSS]]], e.g. 100mbit,5ms or 10gbit,1ms,0.2ms,0.01%; a UserError
+    naming the part that is wrong."""
+    parts = [p.strip() for p in text.split(",")]
+    names = ("rate", "delay", "jitter", "loss")
+    if len(parts) > len(names):
+        raise UserError(f"--link {text!r}: at most RATE,DELAY,JITTER,LOSS (got {len(parts)} parts)")
+    for name, part in zip(names, parts, strict=False):
+        if not part:
+            raise UserError(f"--link {text!r}: the {name} is empty")
+    rate = re.fullmatch(_NUMBER + r"(bit|kbit|mbit|gbit|tbit)", parts[0].lower())
+    if not rate or float(rate.group(1)) <= 0:
+        raise UserError(f"--link {text!r}: rate {parts[0]!r} is not a rate like 100mbit or 10gbit "
+                        "(units bit, kbit, mbit, gbit, tbit)")
+    times = []
+    for name, part in zip(("delay", "jitter"), parts[1:3], strict=False):
+        match = re.fullmatch(_NUMBER + r"(us|ms|s)", part.lower())
+        if not match:
+            raise UserError(f"--link {text!r}: {name} {part!r} is not a time like 5ms "
+                            "(units us, ms, s)")
+        times.append(float(match.group(1)) * _TIME_UNITS[match.group(2)])
+    loss = None
+    if len(parts) == 4:
+        match = re.fullmatch(_NUMBER + "%", parts[3])
+        if not match or float(match.group(1)) >= 100:
+            raise UserError(f"--link {text!r}: loss {parts[3]!r} is not a percentage like 0.1%")
+        loss = parts[3]
+    return Link(rate=parts[0].lower(), delay=parts[1].lower() if len(parts) > 1 else None,
+                jitter=parts[2].lower() if len(parts) > 2 else None, loss=loss,
+                rate_bps=float(rate.group(1)) * _RATE_UNITS[rate.group(2)],
+                delay_s=times[0] if times else 0.0)
+
+
+# --------------------------------------------------------------------------- the cluster
+
+
 @dataclass(frozen=True)
 class FakeCluster:
     prefix: str
     nodes: tuple[str, ...]
     ifname: str = IFNAME
+    link: Link | None = field(default=None)
 
     def address(self, index: int) -> str:
         return f"{SUBNET}.{index + 1}"
@@ -100,17 +197,24 @@ class FakeCluster:
                 "--mca", "oob_tcp_if_include", self.ifname]
 
 
-def up(count: int, prefix: str = "node", ifname: str = IFNAME) -> FakeCluster:
-    """Create PREFIX0..PREFIX(count-1); removes what it made if a step fails."""
+def up(count: int, prefix: str = "node", ifname: str = IFNAME, link: Link | None = None
+       ) -> FakeCluster:
+    """Create PREFIX0..PREFIX(count-1), each interface shaped to `link`; removes what it made if a
+    step fails."""
     check_can_run()
+    if link is not None and shutil.which("tc") is None:
+        raise UserError("a shaped link needs 'tc': apt-get install iproute2")
     if not 2 <= count <= 200:
         raise UserError(f"fake cluster of {count} nodes: give between 2 and 200")
     if nodes_of(prefix):
         raise UserError(f"namespaces {prefix}* exist already: run `cpudist fake-cluster down "
                         f"--prefix {prefix}` first")
-    cluster = FakeCluster(prefix, tuple(f"{prefix}{i}" for i in range(count)), ifname)
+    cluster = FakeCluster(prefix, tuple(f"{prefix}{i}" for i in range(count)), ifname, link)
     try:
         _create(cluster)
+    except UserError:
+        down(prefix)
+        raise
     except (subprocess.CalledProcessError, OSError) as exc:
         down(prefix)
         detail = getattr(exc, "stderr", None) or str(exc)
@@ -149,6 +253,18 @@ def _create(cluster: FakeCluster) -> None:
     for i, node in enumerate(cluster.nodes):
         _ip("-n", node, "addr", "add", f"{cluster.address(i)}/24", "dev", cluster.ifname)
         _ip("-n", node, "link", "set", cluster.ifname, "up")
+        for command in cluster.link.qdiscs(cluster.ifname) if cluster.link else []:
+            _tc(node, command)
+
+
+def _tc(node: str, args: list[str]) -> None:
+    done = subprocess.run(["tc", "-n", node, *args], capture_output=True, text=True, timeout=60)
+    if done.returncode and "netem" in args and "unknown" in done.stderr:
+        raise UserError("this kernel has no netem qdisc (sch_netem; try `modprobe sch_netem`): "
+                        "delay, jitter and loss need it; a --link of a rate alone works without")
+    if done.returncode:
+        raise subprocess.CalledProcessError(done.returncode, ["tc", *args], done.stdout,
+                                            done.stderr)
 
 
 def down(prefix: str = "node") -> list[str]:
@@ -174,24 +290,53 @@ def down(prefix: str = "node") -> list[str]:
     return removed
 
 
+def own_prefix(kind: str = "cpdt") -> str:
+    """A prefix no other live process uses: two clusters made at the same time (colleagues' test
+    runs, two scaling sweeps) never collide, and each removes only its own nodes."""
+    return f"{kind}{os.getpid()}n"
+
+
+def _exit_on(signum: int, _frame: object) -> None:
+    # SystemExit unwinds through fake_cluster's finally, which removes the nodes.
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
-def fake_cluster(count: int, prefix: str | None = None) -> Iterator[FakeCluster]:
-    """A fake cluster for the duration of a with-block; removed afterwards, also on Ctrl-C."""
-    prefix = prefix or f"cpdt{os.getpid() % 100000}n"
-    cluster = up(count, prefix)
+def fake_cluster(count: int, prefix: str | None = None, link: Link | None = None
+                 ) -> Iterator[FakeCluster]:
+    """A fake cluster for the duration of a with-block; removed afterwards, also on Ctrl-C,
+    SIGTERM and SIGHUP (turned into SystemExit here) and at interpreter exit (atexit, should the
+    with-block never be left). Only SIGKILL leaves it: `cpudist fake-cluster down --prefix P`."""
+    prefix = prefix or own_prefix()
+    check_can_run()
+    if nodes_of(prefix):  # someone else's: refuse before the cleanup below could remove them
+        raise UserError(f"namespaces {prefix}* exist already")
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, _exit_on)
+    cleanup = functools.partial(down, prefix)
+    atexit.register(cleanup)
     try:
-        yield cluster
+        yield up(count, prefix, link=link)
     finally:
-        down(prefix)
+        try:
+            down(prefix)
+        finally:
+            atexit.unregister(cleanup)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
-def run_action(action: str, count: int | None, prefix: str) -> int:
+def run_action(action: str, count: int | None, prefix: str, link: str | None = None) -> int:
     if action == "up":
         if count is None:
             raise UserError("fake-cluster up N: give the number of nodes")
-        cluster = up(count, prefix)
+        shape = parse_link(link) if link else None
+        cluster = up(count, prefix, link=shape)
         print(f"up: {' '.join(cluster.nodes)} on {cluster.ifname}, {cluster.address(0)}-"
-              f"{cluster.address(count - 1)}; launch agent {AGENT}")
+              f"{cluster.address(count - 1)}; launch agent {AGENT}"
+              + (f"; link {shape.describe()}" if shape else ""))
     elif action == "down":
         check_can_run()
         print(f"removed: {' '.join(down(prefix)) or 'nothing'}")

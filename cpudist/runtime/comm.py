@@ -82,31 +82,87 @@ def shutdown() -> None:
 # --------------------------------------------------------------------------- MPI gradient allreduce
 
 
-def mpi_allreduce_hook(nonblocking: bool = False) -> Any:
-    """A DDP communication hook that averages each gradient bucket with MPI in place."""
+def gradient_hook(backend: str, compression: str, nonblocking: bool = False) -> tuple[Any, int]:
+    """THE DDP communication hook of a run, and the bytes one gradient element takes on the wire.
+
+    DDP takes one hook, so transport (gloo, or MPI for dist.backend=mpi) and compression
+    (dist.grad_compression: none, or bf16: half the bytes, each bucket cast to bf16 and
+    averaged there, then cast back into the fp32 gradients) combine here."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    bf16 = compression == "bf16"
+    if backend == "mpi":
+        return mpi_allreduce_hook(nonblocking, bf16), 2 if bf16 else 4
+    if bf16:
+        return gloo_bf16_hook, 2
+    return default_hooks.allreduce_hook, 4
+
+
+def gloo_bf16_hook(state: Any, bucket):  # type: ignore[no-untyped-def]  # see mpi_allreduce_hook
+    """PyTorch's bf16_compress_hook under a name of its own: DDP refuses that hook by name unless
+    NCCL is present, though the gloo allreduce it runs works on CPU tensors in bf16."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    return bf16_compress_hook(state, bucket)
+
+
+def _mpi_bf16_sum() -> Any:
+    """An MPI reduction op summing bf16 values carried as 16-bit integers (MPI has no bf16 type):
+    each partial sum is rounded to bf16, as gloo's bf16 allreduce does."""
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    def add(inbuf: Any, inoutbuf: Any, _datatype: Any) -> None:
+        a = torch.from_numpy(np.frombuffer(inbuf, dtype=np.int16)).view(torch.bfloat16)
+        b = torch.from_numpy(np.frombuffer(inoutbuf, dtype=np.int16)).view(torch.bfloat16)
+        b.copy_(a.float().add_(b.float()))
+
+    return MPI.Op.Create(add, commute=True)
+
+
+def mpi_allreduce_hook(nonblocking: bool = False, bf16: bool = False) -> Any:
+    """A DDP communication hook that averages each gradient bucket with MPI (in place, or in a
+    bf16 copy with bf16)."""
+    import numpy as np
     import torch
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     world = comm.Get_size()
+    op = _mpi_bf16_sum() if bf16 else MPI.SUM
 
     # No annotations on bucket or the result: DDP's register_comm_hook rejects any but the classes
     # themselves, and under `from __future__ import annotations` every annotation is a string.
     def hook(_state: Any, bucket):  # type: ignore[no-untyped-def]
         buffer = bucket.buffer()
-        array = buffer.numpy()
+        if bf16:
+            # Divide before the sum, as DDP's bf16 hook does: the partial sums stay in range.
+            wire = buffer.to(torch.bfloat16).div_(world)
+            array = wire.view(torch.int16).numpy()
+            message = [array, MPI.SHORT]
+        else:
+            wire = buffer
+            array = buffer.numpy()
+            message = [array, MPI.FLOAT if array.dtype == np.float32 else MPI.DOUBLE]
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        if not nonblocking:
-            comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
-            buffer.div_(world)
+
+        def finish() -> None:
+            if bf16:
+                buffer.copy_(wire)
+            else:
+                buffer.div_(world)
             future.set_result(buffer)
+
+        if not nonblocking:
+            comm.Allreduce(MPI.IN_PLACE, message, op=op)
+            finish()
             return future
-        request = comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        request = comm.Iallreduce(MPI.IN_PLACE, message, op=op)
 
         def wait() -> None:
             request.Wait()
-            buffer.div_(world)
-            future.set_result(buffer)
+            finish()
 
         threading.Thread(target=wait, daemon=True).start()
         return future
@@ -119,13 +175,19 @@ def mpi_allreduce_hook(nonblocking: bool = False) -> Any:
 
 class CommMeter:
     """What the gradient allreduce of each optimizer step cost, measured by wrapping DDP's
-    communication hook (one definition, used by the bench's figures and its --profile):
+    communication hook. One definition, used by the bench's figures and its --profile (see
+    docs/PERFORMANCE.md, "Communication and waiting"); `step_figures` turns one step's
+    measurements on every rank into:
 
-    - bytes: gradient bytes allreduced by this rank;
-    - exposed_s: communication not hidden behind backward, from the moment the last bucket was
-      handed over (backward's compute is done) to the moment the last allreduce completed;
-    - busy_s: from the first bucket's hand-over to the last completion (allreduce in flight).
-    `take()` returns the figures gathered since the previous call and starts again."""
+    - bytes: gradient bytes allreduced by this rank (as sent: bf16 compression halves them);
+    - compute_s: from the step's start to the hand-over of its last gradient bucket (this rank's
+      forward and backward are done);
+    - wait_s: this rank's wait for the slowest: the slowest rank's compute_s minus this rank's
+      (no allreduce can finish before the last rank hands its bucket over);
+    - exposed_s: communication not hidden behind backward and not waiting: from the last bucket's
+      hand-over to the last allreduce's completion, minus wait_s;
+    - busy_s: allreduce in flight (first hand-over to last completion) minus wait_s.
+    """
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -134,7 +196,10 @@ class CommMeter:
         self.last_done = 0.0
         self._lock = threading.Lock()
 
-    def wrap(self, hook: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def wrap(self, hook: Callable[[Any, Any], Any], wire_element_bytes: int = 4
+             ) -> Callable[[Any, Any], Any]:
+        """hook, measured; wire_element_bytes: what one gradient element takes on the wire (2 when
+        the hook compresses to bf16)."""
         import functools
         import time
 
@@ -142,7 +207,7 @@ class CommMeter:
         def measured(state: Any, bucket):  # type: ignore[no-untyped-def]  # see mpi_allreduce_hook
             now = time.perf_counter()
             with self._lock:
-                self.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+                self.bytes += bucket.buffer().numel() * wire_element_bytes
                 self.first_launch = now if self.first_launch is None else self.first_launch
                 self.last_launch = now
             future = hook(state, bucket)
@@ -156,21 +221,45 @@ class CommMeter:
 
         return measured
 
-    def take(self) -> dict[str, float]:
+    def take(self, started: float | None = None) -> dict[str, float]:
+        """This rank's raw figures since the previous call (perf_counter times relative to
+        `started`, the step's start; the step is taken to have ended now), and start again."""
+        import time
+
+        now = time.perf_counter()
         with self._lock:
-            figures = {"bytes": float(self.bytes), "exposed_s": 0.0, "busy_s": 0.0}
+            figures = {"bytes": float(self.bytes), "compute_s": 0.0, "after_s": 0.0,
+                       "in_flight_s": 0.0}
+            if started is not None:
+                # No bucket (a single process): the whole step was compute.
+                last = self.last_launch if self.first_launch is not None else now
+                figures["compute_s"] = max(0.0, last - started)
             if self.first_launch is not None:
-                figures["exposed_s"] = max(0.0, self.last_done - self.last_launch)
-                figures["busy_s"] = max(0.0, self.last_done - self.first_launch)
+                figures["after_s"] = max(0.0, self.last_done - self.last_launch)
+                figures["in_flight_s"] = max(0.0, self.last_done - self.first_launch)
             self.bytes, self.first_launch, self.last_launch, self.last_done = 0, None, 0.0, 0.0
         return figures
 
 
-def default_allreduce_hook() -> Any:
-    """DDP's own gradient averaging, as a hook (so that CommMeter can wrap it)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+def step_figures(raw: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Every rank's CommMeter.take() of one step (in rank order) -> each rank's bytes, compute_s,
+    wait_s, exposed_s and busy_s as CommMeter defines them. Pure, so the definition is tested."""
+    slowest = max(r["compute_s"] for r in raw)
+    figures = []
+    for r in raw:
+        wait = slowest - r["compute_s"]
+        figures.append({"bytes": r["bytes"], "compute_s": r["compute_s"], "wait_s": wait,
+                        "exposed_s": max(0.0, r["after_s"] - wait),
+                        "busy_s": max(0.0, r["in_flight_s"] - wait)})
+    return figures
 
-    return allreduce_hook
+
+def bus_gbps(bytes_per_rank: float, busy_s: float, world: int) -> float:
+    """Achieved bus bandwidth (the NCCL-tests convention): what a ring allreduce of that many bytes
+    moves per rank, 2 (n-1)/n x bytes, over the time the allreduce was in flight."""
+    if busy_s <= 0 or world < 2:
+        return 0.0
+    return bytes_per_rank * 2 * (world - 1) / world / busy_s / 1e9
 
 
 # --------------------------------------------------------------------------- small collectives

@@ -36,8 +36,7 @@ from cpudist.runtime.comm import (
     CommMeter,
     agreed,
     allreduce,
-    default_allreduce_hook,
-    mpi_allreduce_hook,
+    gradient_hook,
 )
 from cpudist.runtime.precision import choose_precision
 from cpudist.runtime.process import Process
@@ -213,7 +212,7 @@ def compile_decoder_layers(model: nn.Module) -> None:
 
 def wrap_ddp(module: nn.Module, config: Config, meter: CommMeter | None = None) -> nn.Module:
     """DDP over the adapter's parameters only, its allreduce measured by meter; over MPI when
-    dist.backend=mpi."""
+    dist.backend=mpi, in bf16 when dist.grad_compression=bf16."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # Frozen weights and buffers are identical on every rank already (same files); keeping them
@@ -227,10 +226,10 @@ def wrap_ddp(module: nn.Module, config: Config, meter: CommMeter | None = None) 
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         ddp = DDP(module, bucket_cap_mb=config.dist.bucket_cap_mb, broadcast_buffers=False,
                   find_unused_parameters=False)
-    hook = (mpi_allreduce_hook(config.dist.mpi_nonblocking) if config.dist.backend == "mpi"
-            else default_allreduce_hook())
+    hook, wire_bytes = gradient_hook(config.dist.backend, config.dist.grad_compression,
+                                     config.dist.mpi_nonblocking)
     if meter is not None:
-        hook = meter.wrap(hook)
+        hook = meter.wrap(hook, wire_bytes)
     ddp.register_comm_hook(None, hook)  # state None: the default group
     return ddp
 

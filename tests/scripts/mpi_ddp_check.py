@@ -1,7 +1,8 @@
 """Run under `mpirun -np N` by tests/train/test_distributed.py: cpudist's own DDP wrapping, checked
 per rank.
 
-For each gradient path given on the command line (gloo, mpi, mpi-nonblocking) this builds the tiny
+For each gradient path given on the command line (gloo, mpi, mpi-nonblocking, and each of them
+with -bf16: dist.grad_compression=bf16) this builds the tiny
 model through cpudist.model, wraps it with cpudist.train.engine.wrap_ddp over the group from
 cpudist.runtime.comm.init_process_group, runs one optimizer step's micro-batches (this rank's shard from
 GlobalBatches, no_sync on all but the last) and checks, against all_gather'ed values:
@@ -9,7 +10,7 @@ GlobalBatches, no_sync on all but the last) and checks, against all_gather'ed va
   - the ranks' shards are disjoint and the same size;
   - after a no_sync micro-step the ranks' gradients still differ (nothing was communicated);
   - after the last micro-step they are bit-identical on every rank and equal the mean of the
-    ranks' local gradients;
+    ranks' local gradients (to bf16's precision for -bf16 paths);
   - for mpi paths, the mpi4py communication hook carried every bucket.
 Prints one `DDP-CHECK-OK <path> rank=<r>` line per path; any failed check raises (non-zero exit).
 """
@@ -45,11 +46,14 @@ def gather_flat(tensors: list[torch.Tensor], world: int) -> list[torch.Tensor]:
 def check(path: str, model_dir: str, data_file: str, cache: str) -> None:
     placement = detect_placement()
     rank, world = placement.rank, placement.world_size
-    backend = "gloo" if path == "gloo" else "mpi"
+    transport = path.removesuffix("-bf16")
+    compressed = path.endswith("-bf16")
+    backend = "gloo" if transport == "gloo" else "mpi"
     config = load_config(None, [
         f"model.path={model_dir}", "model.dtype=float32", f"data.path={data_file}",
         "data.format=chat", f"data.cache_dir={cache}", "data.max_length=64", "lora.dropout=0.0",
-        f"dist.backend={backend}", f"dist.mpi_nonblocking={path == 'mpi-nonblocking'}",
+        f"dist.backend={backend}", f"dist.mpi_nonblocking={transport == 'mpi-nonblocking'}",
+        f"dist.grad_compression={'bf16' if compressed else 'none'}",
         "train.batch_size=2", "train.grad_accum=2", "train.loss_chunk_size=0",
     ])
     torch.manual_seed(config.train.seed)
@@ -79,10 +83,10 @@ def check(path: str, model_dir: str, data_file: str, cache: str) -> None:
         p.grad = None
 
     hook_calls = []
-    original_hook = engine.mpi_allreduce_hook
+    original_hook = engine.gradient_hook
 
-    def counting_hook(nonblocking: bool = False):  # type: ignore[no-untyped-def]
-        inner = original_hook(nonblocking)
+    def counting_hook(*args, **kwargs):  # type: ignore[no-untyped-def]
+        inner, wire_bytes = original_hook(*args, **kwargs)
 
         # wraps: DDP checks the signature of the hook it is given, i.e. cpudist's own.
         @functools.wraps(inner)
@@ -90,13 +94,14 @@ def check(path: str, model_dir: str, data_file: str, cache: str) -> None:
             hook_calls.append(bucket.buffer().numel())
             return inner(state, bucket)
 
-        return hook
+        return hook, wire_bytes
 
-    engine.mpi_allreduce_hook = counting_hook
+    engine.gradient_hook = counting_hook
+    meter = engine.CommMeter()
     try:
-        ddp = engine.wrap_ddp(module, config)
+        ddp = engine.wrap_ddp(module, config, meter)
     finally:
-        engine.mpi_allreduce_hook = original_hook
+        engine.gradient_hook = original_hook
 
     in_ddp = {id(p) for p in ddp._module_parameters}
     assert in_ddp == {id(p) for p in params}, "DDP must hold exactly the trainable parameters"
@@ -112,14 +117,20 @@ def check(path: str, model_dir: str, data_file: str, cache: str) -> None:
         identical = all(torch.equal(grads[0], g) for g in grads[1:])
         if not last:
             assert not identical, "gradients identical under no_sync: something communicated"
-            assert not hook_calls, "the MPI hook ran during a no_sync micro-step"
+            assert not hook_calls, "the hook ran during a no_sync micro-step"
     assert identical, "gradients differ across ranks after the synchronising micro-step"
     expected = torch.stack(gather_flat(local, world)).mean(dim=0)
-    torch.testing.assert_close(grads[rank], expected, rtol=1e-5, atol=1e-8)
-    if backend == "mpi":
-        assert hook_calls and sum(hook_calls) == sum(p.numel() for p in params), hook_calls
+    numel = sum(p.numel() for p in params)
+    if compressed:
+        # bf16 keeps 8 bits of mantissa: each value within a few parts in 1000 of the fp32 mean.
+        torch.testing.assert_close(grads[rank], expected, rtol=2e-2, atol=1e-3 * float(
+            expected.abs().max()))
+        assert not torch.equal(grads[rank], expected), "bf16 compression did not round anything"
     else:
-        assert not hook_calls
+        torch.testing.assert_close(grads[rank], expected, rtol=1e-5, atol=1e-8)
+    assert hook_calls and sum(hook_calls) == numel, hook_calls
+    # The meter counts what crossed the wire: 2 bytes per gradient element in bf16, else 4.
+    assert meter.take()["bytes"] == numel * (2 if compressed else 4)
     print(f"DDP-CHECK-OK {path} rank={rank} buckets={len(hook_calls)}", flush=True)
 
 

@@ -1,0 +1,224 @@
+"""A scaling model: from one measured (or assumed) step and a link, the step time, tokens/s and
+efficiency of N nodes x R ranks. No torch here; `cpudist scaling --predict` and the predicted
+table in docs/PERFORMANCE.md use it.
+
+The step of a rank is its compute (forward, backward, optimizer), plus its wait for the slowest
+rank (imbalance), plus the gradient allreduce that backward did not hide:
+
+    allreduce(bytes) = 2 (P-1)/P * bytes / bandwidth + 2 (P-1) * latency        (ring, P ranks)
+
+DDP sends the gradients in buckets of `bucket_bytes`, each as backward produces it. Buckets are
+taken to become ready evenly through backward, so all but the last can overlap with it; the last
+one never can:
+
+    exposed = max(allreduce(last bucket), sum of the buckets' allreduces - backward * (k-1)/k)
+
+Ranks of one node are taken to talk over memory at no cost, and every node's link to carry the
+ring's full per-rank traffic (a ring ordered node by node crosses each node's link once in each
+direction). Loss, jitter and TCP's slow start are not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from cpudist.bench.presets import PRESETS
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """One rank's step, without communication."""
+
+    compute_s: float  # forward + backward + optimizer
+    tokens: float  # tokens one rank processes per step
+    wire_bytes: float  # gradient bytes one rank allreduces per step, as sent
+    bucket_bytes: float  # DDP bucket, as sent (dist.bucket_cap_mb, halved by bf16 compression)
+    backward_share: float = 0.5  # of compute_s, the backward (the window buckets can overlap)
+    imbalance: float = 0.0  # slowest rank's compute over the mean, minus 1
+
+
+@dataclass(frozen=True)
+class Prediction:
+    nodes: int
+    ranks_per_node: int
+    step_s: float
+    exposed_comm_s: float
+    wait_s: float
+    tokens_per_s: float
+    efficiency: float  # tokens/s over nodes x one node's predicted tokens/s
+
+    def row(self) -> dict[str, Any]:
+        return {"nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+                "step_s": round(self.step_s, 4), "exposed_comm_s": round(self.exposed_comm_s, 4),
+                "wait_s": round(self.wait_s, 4), "tokens_per_s": round(self.tokens_per_s, 1),
+                "efficiency": round(self.efficiency, 3)}
+
+
+def ring_allreduce_s(nbytes: float, ranks: int, rate_bps: float, latency_s: float) -> float:
+    """Seconds of one ring allreduce of `nbytes` per rank over `ranks` ranks."""
+    if ranks < 2 or nbytes <= 0:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes * 8 / rate_bps + 2 * (ranks - 1) * latency_s
+
+
+def exposed_comm_s(profile: StepProfile, ranks: int, rate_bps: float, latency_s: float) -> float:
+    """The allreduce time backward does not hide, over DDP's buckets (see the module's text)."""
+    if ranks < 2 or profile.wire_bytes <= 0:
+        return 0.0
+    buckets = max(1, math.ceil(profile.wire_bytes / profile.bucket_bytes))
+    last = profile.wire_bytes - (buckets - 1) * profile.bucket_bytes
+    total = (ring_allreduce_s(profile.bucket_bytes, ranks, rate_bps, latency_s) * (buckets - 1)
+             + ring_allreduce_s(last, ranks, rate_bps, latency_s))
+    hidden = profile.compute_s * profile.backward_share * (buckets - 1) / buckets
+    return max(ring_allreduce_s(last, ranks, rate_bps, latency_s), total - hidden)
+
+
+def _step(profile: StepProfile, nodes: int, ranks_per_node: int, rate_bps: float,
+          latency_s: float) -> tuple[float, float, float]:
+    ranks = nodes * ranks_per_node
+    wait = profile.compute_s * profile.imbalance if ranks > 1 else 0.0
+    comm = exposed_comm_s(profile, ranks, rate_bps, latency_s) if nodes > 1 else 0.0
+    return profile.compute_s + wait + comm, comm, wait
+
+
+def predict(profile: StepProfile, nodes: int, ranks_per_node: int, rate_bps: float,
+            latency_s: float) -> Prediction:
+    """Step time, tokens/s and efficiency of `nodes` x `ranks_per_node` ranks (weak scaling: every
+    rank keeps its batch)."""
+    step, comm, wait = _step(profile, nodes, ranks_per_node, rate_bps, latency_s)
+    one, _, _ = _step(profile, 1, ranks_per_node, rate_bps, latency_s)
+    tokens_per_s = profile.tokens * nodes * ranks_per_node / step
+    return Prediction(nodes, ranks_per_node, step, comm, wait, tokens_per_s, one / step)
+
+
+# --------------------------------------------------------------------------- from a bench result
+
+
+def profile_from_bench(result: dict[str, Any]) -> StepProfile:
+    """The step profile a `cpudist bench` result measured (one rank or several on one host):
+    its step without the exposed allreduce and the waits, its tokens, bytes and imbalance."""
+    world = result["world_size"]
+    config = result["config"]
+    waits = result.get("wait_for_slowest_s") or [0.0]
+    compute = result["s_per_step"] - result.get("comm_exposed_s_per_step", 0.0) - (
+        sum(waits) / len(waits))
+    wire_per_element = 2 if config["dist"].get("grad_compression") == "bf16" else 4
+    wire = result.get("comm_mb_per_step") or 0.0
+    if not wire:  # one rank sends nothing: what it would send, from its gradient bytes
+        wire = result["gradient_mb"] * wire_per_element / 4
+    ranks = result.get("compute_s_per_rank") or [compute]
+    mean = sum(ranks) / len(ranks)
+    return StepProfile(
+        compute_s=max(compute, 1e-9),
+        tokens=result["tokens_per_s"] * result["s_per_step"] / world,
+        wire_bytes=wire * 1e6,
+        bucket_bytes=config["dist"]["bucket_cap_mb"] * 1e6 * wire_per_element / 4,
+        imbalance=max(ranks) / mean - 1 if mean > 0 else 0.0)
+
+
+# --------------------------------------------------------------------------- a stated machine
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    cores: int
+    peak_tflops: float  # bf16 GEMM peak of the whole node, as assumed
+    mfu: dict[str, float]  # model FLOPs / peak, per model shape
+    about: str
+
+
+# Per core: 2.55-2.59 TFLOP/s bf16 on 2 cores of an AMX Xeon VM (docs/PERFORMANCE.md, second
+# round), i.e. ~1.29 TFLOP/s per core, taken to scale linearly to 56 cores. AMX's nominal peak is
+# 2048 bf16 FLOP per cycle per core (1024 FMAs): ~229 TFLOP/s at 2.0 GHz on 56 cores; the measured
+# per-core figure is a third of that, and what this table assumes. MFU as measured there: 29.9 %
+# for the Qwen2.5-0.5B shape (seq 512), 40.0 % for the 7B shape with activation checkpointing.
+XEON_SPR_56 = Machine(
+    "Xeon Sapphire Rapids, 56 cores (e.g. 8480+), AMX bf16", 56, 56 * 1.29,
+    {"qwen2.5-0.5b": 0.30, "qwen2.5-7b": 0.40},
+    "bf16 GEMM peak 72 TFLOP/s (56 x the 1.29 TFLOP/s per core measured on a 2-core AMX VM); "
+    "MFU 30 % (0.5B) and 40 % (7B, checkpointing) as measured there")
+
+
+def lora_gradient_bytes(preset: str, rank: int) -> float:
+    """fp32 bytes of LoRA's gradients, all-linear (q, k, v, o, gate, up, down) at rank r."""
+    c = PRESETS[preset].config
+    hidden, inner = c["hidden_size"], c["intermediate_size"]
+    kv = c["num_key_value_heads"] * hidden // c["num_attention_heads"]
+    pairs = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden),
+             (hidden, inner), (hidden, inner), (inner, hidden)]
+    return 4.0 * rank * sum(a + b for a, b in pairs) * c["num_hidden_layers"]
+
+
+def step_flops(preset: str, rank: int, seq: int, rows: int, checkpointing: bool) -> float:
+    """Model FLOPs of one rank's step (the bench's FLOP formula, every token a label), plus the
+    forward recomputed under activation checkpointing (work the node does, not model FLOPs)."""
+    c = PRESETS[preset].config
+    hidden, inner, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    kv = c["num_key_value_heads"] * hidden // c["num_attention_heads"]
+    frozen = layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inner)
+    lora = lora_gradient_bytes(preset, rank) / 4
+    tokens = seq * rows
+    linear = (4 * frozen + 6 * lora) * tokens
+    attention = 6 * layers * hidden * seq * seq * rows
+    head = 4 * c["vocab_size"] * hidden * tokens
+    recompute = (2 * frozen * tokens + 2 * layers * hidden * seq * seq * rows) if checkpointing else 0
+    return float(linear + attention + head + recompute)
+
+
+@dataclass(frozen=True)
+class Workload:
+    preset: str
+    lora_rank: int
+    seq: int
+    rows: int  # per rank per step
+    checkpointing: bool
+
+
+WORKLOADS = (Workload("qwen2.5-0.5b", 8, 512, 4, False), Workload("qwen2.5-7b", 16, 512, 1, True))
+
+
+def machine_profile(machine: Machine, work: Workload, ranks_per_node: int, bucket_cap_mb: float,
+                    compression: str, imbalance: float) -> StepProfile:
+    """A rank's step on `machine` (its cores split between the node's ranks)."""
+    flops = step_flops(work.preset, work.lora_rank, work.seq, work.rows, work.checkpointing)
+    per_rank_peak = machine.peak_tflops * 1e12 / ranks_per_node
+    # The recomputed forward is work at the same efficiency: count it in the time, not the MFU.
+    compute = flops / (per_rank_peak * machine.mfu[work.preset])
+    wire = 2 if compression == "bf16" else 4
+    return StepProfile(compute_s=compute, tokens=work.seq * work.rows,
+                       wire_bytes=lora_gradient_bytes(work.preset, work.lora_rank) * wire / 4,
+                       bucket_bytes=bucket_cap_mb * 1e6 * wire / 4, imbalance=imbalance)
+
+
+def predicted_table(machine: Machine = XEON_SPR_56, nodes: tuple[int, ...] = (1, 2, 4, 8, 16),
+                    links_gbit: tuple[float, ...] = (10, 25), latency_s: float = 50e-6,
+                    ranks_per_node: int = 1, imbalance: float = 0.05) -> str:
+    """The markdown table of predicted tokens/s and efficiency for `machine`, both workloads,
+    each link, default buckets (25 MB) against small buckets (4 MB) with bf16 compression."""
+    lines = [f"Predicted (cpudist.bench.scaling_model), not measured. {machine.name}: "
+             f"{machine.about}; {ranks_per_node} rank(s) per node; link latency "
+             f"{latency_s * 1e6:.0f} us; imbalance {imbalance:.0%}.", ""]
+    header = ["model (per rank step)", "link", "DDP setting", *(f"{n} node(s)" for n in nodes)]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for work in WORKLOADS:
+        for gbit in links_gbit:
+            for setting, cap, compression in (("25 MB buckets, fp32", 25.0, "none"),
+                                              ("4 MB buckets, bf16", 4.0, "bf16")):
+                profile = machine_profile(machine, work, ranks_per_node, cap, compression,
+                                          imbalance)
+                cells = []
+                for n in nodes:
+                    p = predict(profile, n, ranks_per_node, gbit * 1e9, latency_s)
+                    cells.append(f"{p.tokens_per_s:,.0f} ({p.efficiency:.0%})")
+                what = (f"{work.preset} r={work.lora_rank}, {work.rows}x{work.seq}"
+                        f"{', ckpt' if work.checkpointing else ''}, "
+                        f"{profile.compute_s:.2f} s, "
+                        f"{lora_gradient_bytes(work.preset, work.lora_rank) / 1e6:.0f} MB grads")
+                lines.append(f"| {what} | {gbit:g} Gbit/s | {setting} | " + " | ".join(cells)
+                             + " |")
+    lines += ["", "Cells: tokens/s of the whole cluster (efficiency against nodes x one node)."]
+    return "\n".join(lines)
+

@@ -1,0 +1,68 @@
+"""The scaling model's arithmetic (cpudist.bench.scaling_model), on numbers worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpudist.bench import scaling_model as m
+
+
+def test_ring_allreduce_cost() -> None:
+    # 4 ranks, 100 MB at 1 Gbit/s, 1 ms: 2 * 3/4 * 0.8 s + 6 * 1 ms.
+    assert m.ring_allreduce_s(100e6, 4, 1e9, 1e-3) == pytest.approx(1.2 + 0.006)
+    assert m.ring_allreduce_s(100e6, 1, 1e9, 1e-3) == 0.0
+
+
+def test_one_bucket_is_never_hidden_and_small_buckets_are() -> None:
+    one = m.StepProfile(compute_s=2.0, tokens=1000, wire_bytes=20e6, bucket_bytes=25e6)
+    # 2 ranks: 2 * 1/2 * 160 Mbit / 1 Gbit/s = 0.16 s, + 2 * 1 ms.
+    assert m.exposed_comm_s(one, 2, 1e9, 1e-3) == pytest.approx(0.162)
+    # Four 5 MB buckets: 4 x (0.04 + 0.002) = 0.168 s in all; backward (1 s) hides up to 3/4 s,
+    # so only the last bucket's 0.042 s shows.
+    four = m.StepProfile(compute_s=2.0, tokens=1000, wire_bytes=20e6, bucket_bytes=5e6)
+    assert m.exposed_comm_s(four, 2, 1e9, 1e-3) == pytest.approx(0.042)
+    # A slow link: 4 x (0.4 + 0.002) = 1.608 s, of which 0.75 s hidden.
+    assert m.exposed_comm_s(four, 2, 1e8, 1e-3) == pytest.approx(1.608 - 0.75)
+
+
+def test_prediction_adds_compute_wait_and_exposed_comm() -> None:
+    profile = m.StepProfile(compute_s=2.0, tokens=1000, wire_bytes=20e6, bucket_bytes=25e6,
+                            imbalance=0.05)
+    p = m.predict(profile, 4, 1, 1e9, 1e-3)
+    comm = 2 * 3 / 4 * 0.16 + 6e-3
+    assert p.exposed_comm_s == pytest.approx(comm) and p.wait_s == pytest.approx(0.1)
+    assert p.step_s == pytest.approx(2.1 + comm)
+    assert p.tokens_per_s == pytest.approx(4000 / (2.1 + comm))
+    # One node of one rank neither waits nor communicates.
+    assert m.predict(profile, 1, 1, 1e9, 1e-3).step_s == pytest.approx(2.0)
+    assert p.efficiency == pytest.approx(2.0 / (2.1 + comm))
+
+
+def test_lora_gradient_bytes_of_the_presets() -> None:
+    # The issue's figures: about 18 MB for Qwen2.5-0.5B at r=8, 160 MB for a 7B at r=16.
+    assert m.lora_gradient_bytes("qwen2.5-0.5b", 8) == 4 * 8 * 22912 * 24
+    assert m.lora_gradient_bytes("qwen2.5-7b", 16) / 1e6 == pytest.approx(161.5, abs=0.1)
+    # The bench's FLOP formula: one 512-token row of the 0.5B shape is 1.06 TFLOP.
+    assert m.step_flops("qwen2.5-0.5b", 8, 512, 1, False) / 1e12 == pytest.approx(1.06, abs=0.01)
+
+
+def test_profile_from_a_bench_result() -> None:
+    result = {"world_size": 2, "s_per_step": 3.0, "tokens_per_s": 400.0,
+              "comm_exposed_s_per_step": 0.2, "wait_for_slowest_s": [0.4, 0.0],
+              "comm_mb_per_step": 8.0, "gradient_mb": 16.0, "compute_s_per_rank": [2.0, 2.4],
+              "config": {"dist": {"grad_compression": "bf16", "bucket_cap_mb": 25.0}}}
+    p = m.profile_from_bench(result)
+    assert p.compute_s == pytest.approx(3.0 - 0.2 - 0.2)
+    assert p.tokens == pytest.approx(600.0) and p.wire_bytes == 8e6
+    assert p.bucket_bytes == 12.5e6 and p.imbalance == pytest.approx(2.4 / 2.2 - 1)
+    single = m.profile_from_bench({**result, "world_size": 1, "comm_mb_per_step": 0.0,
+                                   "wait_for_slowest_s": [0.0], "compute_s_per_rank": [2.8]})
+    assert single.wire_bytes == 8e6  # 16 MB of fp32 gradients, sent in bf16
+    assert single.imbalance == 0.0
+
+
+def test_the_predicted_table_states_its_assumptions() -> None:
+    table = m.predicted_table()
+    assert table.startswith("Predicted") and "72 TFLOP/s" in table
+    assert table.count("| qwen2.5-0.5b") == 4 and table.count("| qwen2.5-7b") == 4
+    assert "16 node(s)" in table
