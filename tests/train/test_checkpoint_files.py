@@ -4,6 +4,7 @@ with a warning."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -18,7 +19,7 @@ def fake_checkpoint(root: Path, step: int, manifest: bool = True) -> Path:
     (path / "adapter").mkdir(parents=True)
     (path / "adapter" / "adapter_model.safetensors").write_bytes(bytes(range(256)) * (step + 4))
     (path / "optimizer.safetensors").write_bytes(b"o" * 100)
-    (path / "state.json").write_text('{"train": {"step": %d}}' % step)
+    (path / "state.json").write_text(json.dumps({"train": {"step": step}}))
     if manifest:
         files.write_manifest(path)
     return path
