@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,3 +173,31 @@ def test_note_restart_writes_one_record(tmp_path: Path) -> None:
     [record] = restart_records(out)
     assert (record["attempt"], record["reason"], record["resumed_from_step"]) == (
         3, "slurm requeue", 0)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
+def test_slurm_batch_file_restarts_and_continues_a_requeued_job(tmp_path: Path) -> None:
+    """launch/slurm.sbatch with CPUDIST_RESTARTS and a fake srun: a failed srun runs again with
+    train.resume=auto and a record; a requeued job (SLURM_RESTART_COUNT) resumes from the start."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_mpirun(bin_dir, [137, 0]).rename(bin_dir / "srun")
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", CPUDIST_PYTHON=sys.executable,
+               CPUDIST_RESTARTS="2", CPUDIST_RESTART_DELAY="0", SLURM_CPUS_PER_TASK="1")
+    script = ["bash", "launch/slurm.sbatch", f"output.dir={out}", "train.max_steps=3"]
+    done = subprocess.run(script, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    made = calls(bin_dir)
+    assert len(made) == 2 and "train.resume=auto" not in made[0]
+    assert made[1].endswith("dist.threads_per_rank=1 train.resume=auto")
+    assert [(r["attempt"], r["reason"]) for r in restart_records(out)] == [
+        (1, "srun exit status 137")]
+
+    (bin_dir / "calls.txt").unlink()
+    env.update(SLURM_RESTART_COUNT="1", CPUDIST_RESTARTS="0")
+    done = subprocess.run(script, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 137 and "no restart left" in done.stderr
+    assert calls(bin_dir)[0].endswith("train.resume=auto")
+    assert restart_records(out)[-1]["reason"] == "slurm requeue 1"
