@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -98,9 +99,13 @@ def restart_recorder(program: list[str]) -> Callable[[int, str], None]:
 
     def record(attempt: int, reason: str) -> None:
         found, _ = newest_usable(out / "checkpoints")  # the one the resumed job will take
-        append_event(out / "metrics.jsonl", {
-            "event": "restart", "attempt": attempt, "reason": reason,
-            "resumed_from_step": step_of(found) if found else 0,
-            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+        try:
+            append_event(out / "metrics.jsonl", {
+                "event": "restart", "attempt": attempt, "reason": reason,
+                "resumed_from_step": step_of(found) if found else 0,
+                "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+        except OSError as exc:  # a missing record must not stop the restart itself
+            print(f"cpudist launch: could not write the restart record to {out / 'metrics.jsonl'}"
+                  f": {exc.strerror or exc}", file=sys.stderr)
 
     return record
