@@ -64,6 +64,7 @@ def launch(np: int, program: Sequence[str], *, hostfile: str | None = None,
     name, preload = choose_allocator(allocator)
     cores = cores_per_node or physical_cores()
     attempt = 0
+    first_slots = hostfile_slots(hostfile) if hostfile else 0
     while True:
         with tempfile.TemporaryDirectory(prefix="cpudist-launch-") as workdir:
             # Read again at each start: hosts taken out of the file meanwhile are not used.
@@ -97,13 +98,16 @@ def launch(np: int, program: Sequence[str], *, hostfile: str | None = None,
             except UserError as exc:
                 _say(f"the job failed ({reason}); not restarted: {exc}")
                 return code
-            if slots < np:
-                if slots < restarts.min_np:
+            fewer = shrunk_np(np, first_slots, slots)
+            if fewer < np:
+                if fewer < restarts.min_np:
                     _say(f"the job failed ({reason}); not restarted: {hostfile} now has "
-                         f"{slots} slot(s), fewer than --min-np {restarts.min_np}")
+                         f"{slots} slot(s) of {first_slots}, room for {fewer} rank(s), fewer "
+                         f"than --min-np {restarts.min_np}")
                     return code
-                _say(f"{hostfile} now has {slots} slot(s): restarting on {slots} rank(s)")
-                np = slots
+                _say(f"{hostfile} now has {slots} slot(s) of {first_slots}: restarting on "
+                     f"{fewer} rank(s)")
+                np = fewer
         attempt += 1
         _say(f"the job failed ({reason}); restart {attempt} of {restarts.limit} in "
              f"{restarts.delay_s:g} s, from the newest complete checkpoint")
@@ -120,6 +124,15 @@ def _say(line: str) -> None:
 
 def hostfile_slots(path: str) -> int:
     return hostfiles.parse(path).total_slots
+
+
+def shrunk_np(np: int, first_slots: int, slots: int) -> int:
+    """Ranks for a restart when the hostfile offers `slots` where it offered `first_slots` at
+    the first start: only hosts taken out shrink the job, and a job that oversubscribed its
+    slots from the start keeps its ranks per slot."""
+    if slots >= first_slots or np <= slots:
+        return np
+    return slots if np <= first_slots else max(1, np * slots // first_slots)
 
 
 def _wait_unless_stopped(seconds: float) -> bool:

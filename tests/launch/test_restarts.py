@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cpudist.launch.runner import restart_reason
+from cpudist.launch.runner import restart_reason, shrunk_np
 from cpudist.train.checkpoint_files import write_manifest
 from tests.helpers import REPO
 
@@ -113,12 +113,20 @@ def test_a_shrunk_hostfile_restarts_on_fewer_ranks_down_to_min_np(tmp_path: Path
                                  "--min-np", "1"))
     assert done.returncode == 0, done.stderr
     assert [c.split()[:2] for c in calls(tmp_path)] == [["-np", "2"], ["-np", "1"]]
-    assert "now has 1 slot(s): restarting on 1 rank(s)" in done.stderr
+    assert "now has 1 slot(s) of 2: restarting on 1 rank(s)" in done.stderr
     (tmp_path / "calls.txt").unlink()
     hosts.write_text("localhost slots=2\n")
     done = run_launch(launch_cmd(fake, out, "--hostfile", str(hosts), "--restarts", "2"))
     assert done.returncode == 137 and len(calls(tmp_path)) == 1
     assert "fewer than --min-np 2" in done.stderr
+
+
+def test_only_hosts_taken_out_shrink_the_job() -> None:
+    assert shrunk_np(2, 2, 2) == 2
+    assert shrunk_np(8, 8, 6) == 6  # two slots gone
+    assert shrunk_np(4, 8, 6) == 4  # still room
+    assert shrunk_np(16, 2, 2) == 16  # bare host names, oversubscribed from the start
+    assert shrunk_np(16, 4, 2) == 8  # ... and half the hosts gone
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finding them needs Linux /proc")
