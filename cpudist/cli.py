@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from cpudist.errors import UserError
+from cpudist.errors import USER_ERROR_EXIT, UserError
 
 # Command -> (module defining HELP, DESCRIPTION, add_arguments(parser) and run(args)), in --help order.
 COMMANDS = {
@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from cpudist.runtime.cluster import detect_placement, rank_prefix
 
         print(f"{rank_prefix(detect_placement())}error: {exc}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT
     except KeyboardInterrupt:
         return 130
 

@@ -113,7 +113,7 @@ class TrainConfig(_Section):
     eval_batches: int | None = Field(None, gt=0)  # cap on validation batches per eval
     log_every: int = Field(1, gt=0)
     save_every: int = Field(0, ge=0)  # 0 = only at the end
-    keep_last: int = Field(2, gt=0)
+    keep_last: int = Field(2, ge=2)  # resume falls back to the previous one when the newest is damaged
     # None = start fresh; "auto" = newest checkpoint in output.dir if any; or a checkpoint path.
     resume: str | None = None
     save_on_signal: bool = True

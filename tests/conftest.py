@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CHAT_ROWS, MODEL_CACHE, make_tiny_model, venv_mpirun, write_jsonl
+from tests.helpers import (
+    CHAT_ROWS,
+    MODEL_CACHE,
+    chat_rows,
+    make_tiny_model,
+    save_tokenizer,
+    venv_mpirun,
+    write_jsonl,
+)
 
 
 @pytest.fixture(scope="session")
@@ -25,24 +33,7 @@ def smol_dir() -> Path:
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2's real tokenizer (with its chat template), without converting the weights."""
-    from transformers import AutoTokenizer
-
-    from cpudist.model.load import BUILTIN_MODELS
-
-    converted = MODEL_CACHE / "smollm2-135m-instruct"
-    target = tmp_path_factory.mktemp("tokenizer")
-    if (converted / "tokenizer.json").exists():
-        tokenizer = AutoTokenizer.from_pretrained(converted)
-    else:
-        import importlib.util
-
-        package, gguf = BUILTIN_MODELS["smollm2-135m-instruct"]
-        spec = importlib.util.find_spec(package)
-        assert spec is not None and spec.submodule_search_locations
-        tokenizer = AutoTokenizer.from_pretrained(
-            next(iter(spec.submodule_search_locations)), gguf_file=gguf)
-    tokenizer.save_pretrained(target)
-    return target
+    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="session")
@@ -57,9 +48,7 @@ def tiny_qwen(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture
 def chat_file(tmp_path: Path) -> Path:
-    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-            for q, a in CHAT_ROWS * 4]
-    return write_jsonl(tmp_path / "chat.jsonl", rows)
+    return write_jsonl(tmp_path / "chat.jsonl", chat_rows())
 
 
 @pytest.fixture

@@ -36,6 +36,34 @@ CHAT_ROWS = [
 ]
 
 
+def save_tokenizer(target: Path) -> Path:
+    """SmolLM2's real tokenizer (with its chat template) saved to target, without converting the
+    weights (taken from the converted model when the cache has it)."""
+    from transformers import AutoTokenizer
+
+    from cpudist.model.load import BUILTIN_MODELS
+
+    converted = MODEL_CACHE / "smollm2-135m-instruct"
+    if (converted / "tokenizer.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(converted)
+    else:
+        import importlib.util
+
+        package, gguf = BUILTIN_MODELS["smollm2-135m-instruct"]
+        spec = importlib.util.find_spec(package)
+        assert spec is not None and spec.submodule_search_locations
+        tokenizer = AutoTokenizer.from_pretrained(
+            next(iter(spec.submodule_search_locations)), gguf_file=gguf)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def chat_rows() -> list[dict]:
+    """The small chat data set of the tests (32 samples)."""
+    return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q, a in CHAT_ROWS * 4]
+
+
 def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path) -> Path:
     """A random-weight causal LM of a real architecture, saved with a real tokenizer."""
     from transformers import (

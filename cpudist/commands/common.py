@@ -73,6 +73,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
+    return value
+
+
 # Flag -> (section, key) of the config setting it stands for.
 RUN_SETTINGS = {"format": ("data", "format"), "max_length": ("data", "max_length"),
                 "batch_size": ("train", "batch_size"), "system": ("data", "system_prompt"),

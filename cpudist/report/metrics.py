@@ -11,10 +11,10 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from cpudist.errors import UserError
-from cpudist.files import write_text
+from cpudist.files import replacing, write_text
 from cpudist.jsonl import JsonlError, iter_jsonl
 
 log = logging.getLogger("cpudist")
@@ -47,7 +47,8 @@ class _Outage:
 
 
 class MetricsLog:
-    """Append-only metrics.jsonl; on resume, lines past the checkpoint's step are dropped.
+    """Append-only metrics.jsonl; on resume, step lines past the checkpoint's step are dropped and
+    event lines (`{"event": ...}`, such as the launcher's restart records) are kept.
 
     Metrics never stop a run: when the disk fills or permissions change, a line that cannot be
     written is cut off again (the file only ever holds whole lines), one warning says so, and
@@ -82,8 +83,17 @@ class MetricsLog:
         if self.resume_step is None:
             self.path.write_bytes(b"")
         elif self.path.exists():
-            # Cut in place: the lines kept are the file's start, and truncating needs no space.
-            os.truncate(self.path, _end_of_step(self.path, self.resume_step))
+            end = _end_of_step(self.path, self.resume_step)
+            events = _event_lines(self.path, end)
+            if events:
+                # Rewritten whole, so a crash meanwhile leaves the old file, events and all.
+                with open(self.path, "rb") as handle:
+                    kept = handle.read(end)
+                with replacing(self.path) as tmp:
+                    tmp.write_bytes(kept + events)
+            else:
+                # Cut in place: the lines kept are the file's start, and truncating needs no space.
+                os.truncate(self.path, end)
         self.size = self.path.stat().st_size if self.path.exists() else 0
         self.started = True
 
@@ -169,6 +179,49 @@ def _end_of_step(path: Path, step: int) -> int:
         if end and handle.read(1) != b"\n":
             end = last_start
     return end
+
+
+def _event_lines(path: Path, start: int) -> bytes:
+    """The whole event lines (JSON objects with an "event" key) from byte `start` on."""
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        tail = handle.read()
+    kept = []
+    for raw in tail.splitlines(keepends=True):
+        try:
+            value = json.loads(raw)
+        except ValueError:  # a line cut short by a crash, or not text
+            continue
+        if raw.endswith(b"\n") and isinstance(value, dict) and "event" in value:
+            kept.append(raw)
+    return b"".join(kept)
+
+
+def append_event(path: Path, record: dict[str, Any]) -> None:
+    """Append one event line to a metrics.jsonl no rank is writing (the launcher, between jobs).
+    A last line cut short by a killed rank is dropped first: it belonged to a step after the
+    checkpoint, which the resumed job takes again."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab+", buffering=0) as handle:
+        handle.truncate(_whole_lines(handle))
+        handle.write((json.dumps(record) + "\n").encode())
+        os.fsync(handle.fileno())
+
+
+def _whole_lines(handle: BinaryIO) -> int:
+    """Bytes up to and including the last newline of an open file."""
+    pos = end = handle.seek(0, os.SEEK_END)
+    while pos > 0:
+        size = min(1 << 16, pos)
+        pos -= size
+        handle.seek(pos)
+        block = handle.read(size)
+        if pos + size == end and block.endswith(b"\n"):
+            return end
+        newline = block.rfind(b"\n")
+        if newline >= 0:
+            return pos + newline + 1
+    return 0
 
 
 def _summary_writer(directory: Path) -> Any:

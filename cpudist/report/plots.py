@@ -11,6 +11,7 @@ import base64
 import html
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +70,21 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[
     return steps, values
 
 
+def restarts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The launcher's restart records (cpudist launch --restarts), in order."""
+    return [r for r in records if r.get("event") == "restart"]
+
+
 def _line_plot(path: Path, title: str, ylabel: str,
-               lines: list[tuple[str, list[float], list[float]]], log_y: bool = False) -> Path:
+               lines: list[tuple[str, list[float], list[float]]], log_y: bool = False,
+               marks: Sequence[float] = ()) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     drawn = False
+    for i, step in enumerate(marks):
+        # Where a restarted job went on: the steps after it were taken (again) by that job.
+        ax.axvline(step, color="tab:red", linestyle="--", linewidth=1,
+                   label="restart" if i == 0 else None)
     for label, xs, ys in lines:
         if xs:
             # Markers keep a single point (one-step runs) visible.
@@ -88,7 +99,7 @@ def _line_plot(path: Path, title: str, ylabel: str,
     if log_y and drawn and all(y > 0 for _, _, ys in lines for y in ys):
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    if drawn and len(lines) > 1:
+    if drawn and (len(lines) > 1 or marks):
         ax.legend()
     fig.tight_layout()
     fig.savefig(path)
@@ -111,8 +122,10 @@ def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir:
                  for i in range(len(train_loss))]
         loss_lines.append((f"train (mean of last {_SMOOTH})", train_steps, means))
     loss_lines.append(("validation", val_steps, val_loss))
+    marks = [float(r.get("resumed_from_step") or 0) for r in restarts(records)]
     return [
-        _line_plot(out_dir / "loss.png", "loss", "cross-entropy per label token", loss_lines),
+        _line_plot(out_dir / "loss.png", "loss", "cross-entropy per label token", loss_lines,
+                   marks=marks),
         _line_plot(out_dir / "lr.png", "learning rate", "lr", [("lr", lr_steps, lr)]),
         _line_plot(out_dir / "throughput.png", "throughput (all ranks)", "tokens/s",
                    [("tokens/s", tps_steps, tps)]),
@@ -191,6 +204,7 @@ def render_html(records: list[dict[str, Any]], summary: dict[str, Any], config_t
         ("wall time (s)", summary.get("wall_s")),
         ("peak RSS rank 0 (GB)", summary.get("peak_rss_gb")),
         ("skipped non-finite steps", summary.get("bad_steps")),
+        ("restarts (cpudist launch --restarts)", len(restarts(records)) or None),
     ]
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -205,6 +219,11 @@ def render_html(records: list[dict[str, Any]], summary: dict[str, Any], config_t
               "<h2>Plots</h2>", *(_embedded_image(p, p.stem) for p in images)]
     if tasks:
         parts += ["<h2>Task evaluation (cpudist eval --task)</h2>", _task_table(tasks)]
+    if restarts(records):
+        parts += ["<h2>Restarts</h2>", _table([
+            (f"restart {r.get('attempt')} at {r.get('time')}",
+             f"{r.get('reason')}; resumed from step {r.get('resumed_from_step')}")
+            for r in restarts(records)])]
     samples = summary.get("samples") or []
     if samples:
         parts.append("<h2>Held-out answers before and after training</h2>")

@@ -7,8 +7,11 @@ Layout of OUTPUT/checkpoints/step-N/:
   state.json               step, epoch, position in the epoch, world size, optimizer hyperparameters,
                            scheduler state, python RNG of every rank, counters
   config.yaml              the resolved config of the run
+  manifest.json            size and SHA-256 of every other file (cpudist.train.checkpoint_files)
 A checkpoint is written into a hidden temporary directory and renamed into place, so a crash
-during a save leaves the previous checkpoint as it was; leftovers are removed on resume.
+during a save leaves the previous checkpoint as it was; leftovers are removed on resume. Resume
+checks the manifest: a damaged newest checkpoint is moved aside and the previous one used, which
+is why train.keep_last is at least 2.
 
 `save`/`restore` connect a checkpoint with an engine: every rank's RNG is gathered for rank 0 to
 write, and rank 0 alone reads a checkpoint and sends it to the others (no shared filesystem needed).
@@ -19,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -30,16 +32,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from cpudist.errors import UserError
-from cpudist.files import TMP_MARK, fsync_dir, fsync_tree, remove, replacing
+from cpudist.files import fsync_dir, fsync_tree, remove, replacing
 from cpudist.model.provenance import write_provenance
 from cpudist.runtime.comm import agreed, all_gather, broadcast, rank0_only
+from cpudist.train.checkpoint_files import check_given, checkpoint_dirs, resume_auto, write_manifest
 
 if TYPE_CHECKING:
     from cpudist.runtime.cluster import Placement
     from cpudist.train.engine import Engine
 
 log = logging.getLogger("cpudist")
-STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 @dataclass
@@ -95,30 +97,6 @@ def load_optimizer(optimizer: torch.optim.Optimizer, names: list[str],
     optimizer.load_state_dict({"state": state, "param_groups": settings["param_groups"]})
 
 
-def checkpoint_dirs(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        match = STEP_DIR.match(path.name)
-        if match and (path / "state.json").is_file():
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
-
-
-def clean_partial(root: Path) -> list[Path]:
-    """Remove half-written checkpoint directories left by a crash during a save."""
-    removed = []
-    if root.is_dir():
-        for path in root.iterdir():
-            if TMP_MARK in path.name or (STEP_DIR.match(path.name)
-                                         and not (path / "state.json").is_file()):
-                remove(path)
-                removed.append(path)
-    return removed
-
-
 def save_checkpoint(root: Path, model: Any, optimizer: torch.optim.Optimizer,
                     param_names: list[str], scheduler: Any, state: TrainState,
                     rng_states: list[dict[str, Any]], config_yaml: str, keep_last: int,
@@ -150,6 +128,7 @@ def save_checkpoint(root: Path, model: Any, optimizer: torch.optim.Optimizer,
             (tmp / "config.yaml").write_text(config_yaml)
             # state.json last: its presence marks a complete checkpoint.
             (tmp / "state.json").write_text(json.dumps(payload, indent=1))
+            write_manifest(tmp)  # last: it covers every file above
             fsync_tree(tmp)
         fsync_dir(root)
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
@@ -179,16 +158,13 @@ def find_resume(resume: str | None, root: Path) -> Path | None:
     if resume is None:
         return None
     if resume == "auto":
-        removed = clean_partial(root)
-        for path in removed:
-            log.warning("removed half-written checkpoint %s", path)
-        found = checkpoint_dirs(root)
-        return found[-1] if found else None
+        return resume_auto(root)
     path = Path(resume)
     if not (path / "state.json").is_file() or not (path / "adapter").is_dir():
         raise UserError(f"train.resume={resume!r} is not a cpudist checkpoint (expected a "
                         "checkpoints/step-N directory with state.json and adapter/); use "
                         "train.resume=auto to pick the newest one")
+    check_given(path)
     return path
 
 

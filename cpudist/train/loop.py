@@ -99,7 +99,9 @@ def _run(config: Config, process: Process) -> dict[str, Any] | None:
     faults.install(engine.session.loss, tc.grad_accum, state.step)
     metrics = None
     if placement.is_main:
-        metrics = MetricsLog(out / "metrics.jsonl", state.step if resumed else None,
+        # Resume asked for but no checkpoint yet: trimmed to step 0, keeping restart records.
+        kept_to = state.step if resumed else (0 if tc.resume is not None else None)
+        metrics = MetricsLog(out / "metrics.jsonl", kept_to,
                              out / "tensorboard" if config.output.tensorboard else None)
     stop = StopFlag(tc.save_on_signal)
     summary: dict[str, Any] = {"world_size": placement.world_size, "threads_per_rank": process.threads,

@@ -214,6 +214,13 @@ def test_damaged_checkpoint(tiny_llama: Path, chat_file: Path, tmp_path: Path) -
     damaged = out / "checkpoints" / "step-1" / "optimizer.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:100])  # cut short, as by a full disk outside cpudist
     error = fails([*args, "train.resume=auto", "train.max_steps=2"])
+    # The manifest names what is wrong; with no older checkpoint to fall back to, an error.
+    assert (f"no usable checkpoint in {out / 'checkpoints'} (step-1: optimizer.safetensors has "
+            "100 bytes, the manifest says") in error
+    assert "train.resume=PATH" in error
+    # A checkpoint from before manifests: the loader itself finds the damage.
+    (out / "checkpoints" / "step-1" / "manifest.json").unlink()
+    error = fails([*args, "train.resume=auto", "train.max_steps=2"])
     assert f"checkpoint {out / 'checkpoints' / 'step-1'} is unreadable" in error
     assert "train.resume=PATH" in error
 

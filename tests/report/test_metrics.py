@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from cpudist.report import metrics as report
-from cpudist.report.metrics import MetricsLog
+from cpudist.report.metrics import MetricsLog, append_event
 from tests.helpers import REPO
 
 
@@ -197,3 +197,31 @@ def test_resume_cuts_back_to_the_checkpoint_step(tmp_path: Path, caplog: pytest.
     else:
         assert len(said) == 1 and f"{path}{warned}" in said[0], said
         assert said[0].endswith("it and the lines after it are dropped")
+
+
+def test_resume_keeps_restart_records_after_the_checkpoint(tmp_path: Path) -> None:
+    """The launcher appends its restart record after the steps the killed job logged past the
+    checkpoint; the resumed job drops those steps but keeps every record."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"event": "restart", "attempt": 1}\n{"step": 2}\n{"step": 3}\n'
+                    '{"step": 4, "lo')  # the killed rank's last line, cut short
+    append_event(path, {"event": "restart", "attempt": 2, "resumed_from_step": 2})
+    assert path.read_text().endswith('{"step": 3}\n{"event": "restart", "attempt": 2, '
+                                     '"resumed_from_step": 2}\n')
+    metrics = MetricsLog(path, 2, None)
+    metrics.write({"step": 3, "loss": 1.0})
+    assert lines(path) == [{"step": 1}, {"event": "restart", "attempt": 1}, {"step": 2},
+                           {"event": "restart", "attempt": 2, "resumed_from_step": 2},
+                           {"step": 3, "loss": 1.0}]
+    # A job that finds no checkpoint at all (killed before the first) starts from step 0.
+    MetricsLog(path, 0, None).write({"step": 1})
+    assert lines(path) == [{"event": "restart", "attempt": 1},
+                           {"event": "restart", "attempt": 2, "resumed_from_step": 2}, {"step": 1}]
+
+
+def test_append_event_to_a_new_or_unterminated_file(tmp_path: Path) -> None:
+    path = tmp_path / "out" / "metrics.jsonl"
+    append_event(path, {"event": "restart"})
+    path.write_bytes(path.read_bytes() + b"x" * 70000)  # a long last line without its newline
+    append_event(path, {"event": "restart", "attempt": 2})
+    assert lines(path) == [{"event": "restart"}, {"event": "restart", "attempt": 2}]

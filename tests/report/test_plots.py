@@ -69,6 +69,20 @@ def test_report_embeds_plots_environment_figures_and_answers(tmp_path: Path) -> 
     assert "tiny &lt;model&gt;" in page
 
 
+def test_restarts_are_marked_on_the_loss_plot_and_listed(tmp_path: Path) -> None:
+    records = _steps(6)
+    plain = write_report(_write_run(tmp_path / "plain", records, SUMMARY)).read_text()
+    restart = {"event": "restart", "attempt": 1, "reason": "exit status 137 (SIGKILL)",
+               "resumed_from_step": 4, "time": "2026-01-01T00:00:00+00:00"}
+    out = _write_run(tmp_path / "restarted", [*records[:4], restart, *records[4:]], SUMMARY)
+    page = write_report(out).read_text()
+    assert "Restarts" not in plain and "<h2>Restarts</h2>" in page
+    assert "resumed from step 4" in page and "exit status 137 (SIGKILL)" in page
+    # The loss plot differs (the marker); the others do not depend on restarts.
+    assert (out / "loss.png").read_bytes() != (tmp_path / "plain" / "loss.png").read_bytes()
+    assert (out / "lr.png").read_bytes() == (tmp_path / "plain" / "lr.png").read_bytes()
+
+
 @pytest.mark.parametrize("metrics, summary", [
     (_steps(1), None),                              # a single step, no val, run did not finish
     (_steps(3), {"steps": 3, "train_loss": 1.0}),   # no validation anywhere

@@ -133,3 +133,75 @@ def test_a_global_batch_that_does_not_divide_is_refused(tiny_llama: Path, chat_f
     assert "global batch of 3 rows does not divide among 2 ranks" in errors[0]
     assert "resume on 1, 3 ranks" in errors[0]
     assert "Traceback" not in again.stderr
+
+
+def adapter_difference(run: Path, reference: Path) -> float:
+    """Frobenius norm of the final adapters' difference over the reference's norm."""
+    from safetensors.torch import load_file
+
+    final = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    wanted = load_file(str(reference / "adapter" / "adapter_model.safetensors"))
+    assert final.keys() == wanted.keys()
+    difference = sum(float((final[k] - wanted[k]).norm() ** 2) for k in wanted) ** 0.5
+    return difference / sum(float(t.norm() ** 2) for t in wanted.values()) ** 0.5
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
+        tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
+    """One byte flipped inside the newest checkpoint's largest file (the tensors still load: only
+    the manifest notices): resume moves it aside, continues from the one before, and ends where
+    an uninterrupted run ends, bit for bit."""
+    settings = {"train__max_steps": STEPS, "train__save_every": 3}
+    reference = tmp_path / "reference"
+    done = run([*cpudist_cmd(), "train", *tiny_overrides(tiny_llama, chat_file, reference,
+                                                         **settings)])
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out = tmp_path / "damaged"
+    cmd = [*cpudist_cmd(), "train", *tiny_overrides(tiny_llama, chat_file, out, **settings)]
+    stopped = start_and_signal(cmd, out, signal.SIGTERM, after_steps=7)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    at = stopped_step(stopped.stdout)
+    saved = sorted((out / "checkpoints").iterdir(), key=lambda p: int(p.name.split("-")[1]))
+    assert [p.name for p in saved] == [f"step-{at - at % 3 if at % 3 else at - 3}", f"step-{at}"]
+    newest = saved[-1]
+    largest = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    largest.write_bytes(bytes(data))
+
+    resumed = run([*cmd, "train.resume=auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    name = largest.relative_to(newest).as_posix()
+    assert f"{newest} is damaged ({name} does not match its SHA-256" in resumed.stdout
+    assert f"resumed from {saved[0]} at step" in resumed.stdout
+    assert (out / "checkpoints" / f"damaged-{newest.name}").is_dir()
+    assert step_losses(out) == step_losses(reference)  # every step once, bit for bit
+    assert adapter_difference(out, reference) == 0.0
+
+
+@pytest.mark.mpi
+def test_resume_from_one_rank_on_two(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
+    """1 rank x 2 rows x 2 accumulation stopped mid-run, continued by 2 ranks x 2 rows: the same
+    global batch of 4, losses and adapter as an uninterrupted 1-rank run up to summation order."""
+    settings = {"train__max_steps": STEPS, "train__batch_size": 2, "train__grad_accum": 2}
+    reference = tmp_path / "reference"
+    done = run([*cpudist_cmd(), "train", *tiny_overrides(tiny_llama, chat_file, reference,
+                                                         **settings)])
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out = tmp_path / "interrupted"
+    overrides = tiny_overrides(tiny_llama, chat_file, out, **settings)
+    stopped = start_and_signal([*cpudist_cmd(), "train", *overrides], out, signal.SIGTERM,
+                               after_steps=3)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    at = stopped_step(stopped.stdout)
+    assert 0 < at < STEPS
+
+    resumed = run([*mpirun_cmd(2), *cpudist_cmd(), "train", *overrides, "train.resume=auto"])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming a 1-rank checkpoint: global batch 4 kept on 2 rank(s)" in resumed.stdout
+    expected, got = step_losses(reference), step_losses(out)
+    assert [s for s, _ in got] == list(range(1, STEPS + 1))
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in expected], rel=1e-4)
+    assert adapter_difference(out, reference) <= 1e-3
