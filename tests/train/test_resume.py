@@ -205,3 +205,29 @@ def test_resume_from_one_rank_on_two(tiny_llama: Path, chat_file: Path, tmp_path
     assert [s for s, _ in got] == list(range(1, STEPS + 1))
     assert [loss for _, loss in got] == pytest.approx([loss for _, loss in expected], rel=1e-4)
     assert adapter_difference(out, reference) <= 1e-3
+
+
+@pytest.mark.mpi
+def test_resume_from_two_ranks_on_four(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
+    """2 ranks x 2 rows x 2 accumulation stopped mid-run, continued by 4 ranks x 2 rows (ranks
+    that did not exist take rank 0's RNG): losses and adapter as the uninterrupted 2-rank run."""
+    settings = {"train__max_steps": STEPS, "train__batch_size": 2, "train__grad_accum": 2}
+    reference = tmp_path / "reference"
+    done = run([*mpirun_cmd(2), *cpudist_cmd(), "train",
+                *tiny_overrides(tiny_llama, chat_file, reference, **settings)])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    out = tmp_path / "interrupted"
+    overrides = tiny_overrides(tiny_llama, chat_file, out, **settings)
+    stopped = start_and_signal([*mpirun_cmd(2), *cpudist_cmd(), "train", *overrides], out,
+                               signal.SIGUSR1, after_steps=3)
+    assert stopped.returncode == 0, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert 0 < stopped_step(stopped.stdout) < STEPS
+
+    resumed = run([*mpirun_cmd(4), *cpudist_cmd(), "train", *overrides, "train.resume=auto"])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming a 2-rank checkpoint: global batch 8 kept on 4 rank(s)" in resumed.stdout
+    expected, got = step_losses(reference), step_losses(out)
+    assert [s for s, _ in got] == list(range(1, STEPS + 1))
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in expected], rel=1e-4)
+    assert adapter_difference(out, reference) <= 1e-3
