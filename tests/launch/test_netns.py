@@ -52,8 +52,11 @@ def _need_netns() -> None:
 
 
 HOLD = """
-import sys, time
+import signal, sys, time
 from cpudist.launch import netns
+# Ctrl-C reaches a foreground process with Python's KeyboardInterrupt; a test suite started as a
+# shell's background job (as CI may be) passes SIGINT down ignored instead: undo that here.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with netns.fake_cluster(3, prefix=sys.argv[1], link=netns.parse_link("20mbit")):
     print("UP", flush=True)
     time.sleep(300)
@@ -77,7 +80,12 @@ def test_an_interrupted_cluster_leaves_nothing_behind(sig: int) -> None:
         assert "tbf" in shown and "rate 20Mbit" in shown, shown
         # A process left running inside a node (as a killed mpirun leaves its ranks).
         sleeper = subprocess.Popen(["ip", "netns", "exec", nodes[2], "sleep", "300"])
-        time.sleep(0.5)
+        # Wait until it is inside the node (on a loaded machine `ip netns exec` takes a while).
+        deadline = time.monotonic() + 30
+        while not subprocess.run(["ip", "netns", "pids", nodes[2]], capture_output=True,
+                                 text=True).stdout.strip():
+            assert time.monotonic() < deadline, "the sleeper never entered the node"
+            time.sleep(0.1)
         holder.send_signal(sig)
         holder.wait(timeout=60)
         assert sleeper.wait(timeout=30) != 0  # ended by the cleanup, not by itself

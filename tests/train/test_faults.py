@@ -241,10 +241,12 @@ def test_surviving_rank_exits_within_the_timeout(fault: str, tiny_llama: Path, c
     assert f"On this node rank 1 (pid {procs[1].pid}) {fate}" in errors[0]  # names the lost rank
     assert "train.resume=auto" in errors[0]
     assert "Traceback" not in stderr
-    # Where the live rank was waiting: rank 0's stacks in OUTPUT/, down to the training step.
+    # Where the live rank was waiting: rank 0's stacks in OUTPUT/, down into the training loop
+    # (usually the step's gradient allreduce; on a loaded machine it may be a collective at the
+    # step boundary instead).
     stacks = (out / "lost-contact-rank0.txt").read_text()
     assert stacks.startswith("[rank 0] stack when contact was lost")
-    assert "engine.py" in stacks and "in step" in stacks and "all threads (faulthandler)" in stacks
+    assert "train/loop.py" in stacks and "all threads (faulthandler)" in stacks
     assert str(out / "lost-contact-rank0.txt") in stdout + stderr
 
 
