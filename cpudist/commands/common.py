@@ -63,24 +63,22 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model.quantize_group (default: the adapter's run, else 64)")
 
 
-def positive_int(text: str) -> int:
+def _int_from(text: str, minimum: int, bound: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value} must be {bound}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_from(text, 1, "at least 1")
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
-    return value
+    return _int_from(text, 0, "0 or more")
 
 
 # Flag -> (section, key) of the config setting it stands for.

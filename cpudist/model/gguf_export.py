@@ -138,6 +138,40 @@ def permute_qk(weight: torch.Tensor, n_head: int, n_head_kv: int | None) -> torc
             .swapaxes(1, 2).reshape(weight.shape))
 
 
+@dataclass(frozen=True)
+class _Base:
+    """A base model directory as both exporters read it: its config, llama.cpp architecture and
+    tensor-name map."""
+
+    directory: Path
+    config: dict[str, Any]
+    arch: Architecture
+    names: Any  # gguf.TensorNameMap
+
+    @classmethod
+    def read(cls, directory: Path) -> _Base:
+        import gguf
+
+        config = _hf_config(directory)
+        arch = architecture_of(config, directory)
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_name.upper()],
+                                         config["num_hidden_layers"])
+        return cls(directory, config, arch, names)
+
+    def llama_cpp_rows(self, hf_name: str, values: torch.Tensor) -> torch.Tensor:
+        """The output rows of a Q or K projection's tensor (weight, bias, or a LoRA B) in the order
+        llama.cpp's graph reads them; every other tensor as it is."""
+        if not self.arch.permute_qk:
+            return values
+        module = hf_name.rsplit(".", 1)[0]
+        n_head = self.config["num_attention_heads"]
+        if module.endswith("q_proj"):
+            return permute_qk(values, n_head, n_head)
+        if module.endswith("k_proj"):
+            return permute_qk(values, n_head, self.config.get("num_key_value_heads", n_head))
+        return values
+
+
 def _llama3_rope_factors(params: dict[str, Any], dim: int) -> torch.Tensor:
     """rope_freqs.weight for rope_type llama3 (LlamaModel.generate_extra_tensors in llama.cpp)."""
     freqs = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
@@ -389,12 +423,8 @@ def export_model(base_dir: Path, out: Path, file_type: str = "f16",
     import gguf
 
     ftype, wanted = _file_types()[file_type]
-    config = _hf_config(base_dir)
-    arch = architecture_of(config, base_dir)
-    n_head = config["num_attention_heads"]
-    n_head_kv = config.get("num_key_value_heads", n_head)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_name.upper()],
-                                     config["num_hidden_layers"])
+    base = _Base.read(base_dir)
+    config, arch = base.config, base.arch
     pending = dict(adapter.modules) if adapter else {}
     planned: list[_Planned] = []
     rope = _rope_parameters(config)
@@ -405,7 +435,7 @@ def export_model(base_dir: Path, out: Path, file_type: str = "f16",
     for hf_name, file, meta, data_start in _base_tensors(base_dir):
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        gguf_name = base.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise UserError(f"{file}: tensor {hf_name} has no llama.cpp name for {arch.gguf_name}; "
                             "this checkpoint's layout cannot be exported")
@@ -417,11 +447,7 @@ def export_model(base_dir: Path, out: Path, file_type: str = "f16",
             values = read_tensor(file, meta, start).float()
             if update and adapter is not None:
                 values = adapter.delta(hf_name, values)
-            if arch.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-                values = permute_qk(values, n_head, n_head)
-            elif arch.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-                values = permute_qk(values, n_head, n_head_kv)
-            return values
+            return base.llama_cpp_rows(hf_name, values)
 
         planned.append(_Planned(gguf_name, _weight_type(shape, wanted), shape, make))
     if pending:
@@ -440,7 +466,7 @@ def export_model(base_dir: Path, out: Path, file_type: str = "f16",
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _add_tokenizer(writer, base_dir, config["vocab_size"])
 
-    return _write(out, arch.gguf_name, fill, planned)
+    return _write(out, base.arch.gguf_name, fill, planned)
 
 
 def export_lora(base_dir: Path, adapter: AdapterWeights, out: Path, file_type: str = "f16") -> Path:
@@ -454,12 +480,7 @@ def export_lora(base_dir: Path, adapter: AdapterWeights, out: Path, file_type: s
     if file_type not in LORA_TYPES:
         raise UserError(f"--type {file_type}: a LoRA GGUF is written as one of {', '.join(LORA_TYPES)}")
     _, wanted = _file_types()[file_type]
-    config = _hf_config(base_dir)
-    arch = architecture_of(config, base_dir)
-    n_head = config["num_attention_heads"]
-    n_head_kv = config.get("num_key_value_heads", n_head)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_name.upper()],
-                                     config["num_hidden_layers"])
+    base = _Base.read(base_dir)
     shapes = {name: tuple(meta["shape"]) for name, _, meta, _ in _base_tensors(base_dir)}
     ranks = set()
     planned: list[_Planned] = []
@@ -469,18 +490,14 @@ def export_lora(base_dir: Path, adapter: AdapterWeights, out: Path, file_type: s
             raise UserError(f"--adapter {adapter.directory}: {hf_name} is {tuple(lora_b.shape[:1])} x "
                             f"{tuple(lora_a.shape[1:])} in the adapter but {base_shape} in the base "
                             f"{base_dir}; pass the base the adapter was trained on")
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight",))
+        gguf_name = base.names.get_name(hf_name, try_suffixes=(".weight",))
         if gguf_name is None or gguf_name.startswith(("token_embd", "output.")):
             raise UserError(f"--adapter {adapter.directory}: {hf_name} cannot be carried by a GGUF "
                             "LoRA file; export the merged model instead")
         ranks.add(lora_a.shape[0])
-        b = lora_b.float()
         # Only B's rows follow Q/K's rope permutation (convert_lora_to_gguf.py's LoraTorchTensor
         # permutes B and leaves A, which acts on the input side).
-        if arch.permute_qk and hf_name.endswith("q_proj.weight"):
-            b = permute_qk(b, n_head, n_head)
-        elif arch.permute_qk and hf_name.endswith("k_proj.weight"):
-            b = permute_qk(b, n_head, n_head_kv)
+        b = base.llama_cpp_rows(hf_name, lora_b.float())
         for suffix, values in ((".lora_a", lora_a.float()), (".lora_b", b)):
             shape = tuple(values.shape)
             planned.append(_Planned(gguf_name + suffix, _weight_type(shape, wanted), shape,
@@ -499,4 +516,4 @@ def export_lora(base_dir: Path, adapter: AdapterWeights, out: Path, file_type: s
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(effective_alpha))
         writer.add_name(f"{base_dir.name} LoRA")
 
-    return _write(out, arch.gguf_name, fill, planned)
+    return _write(out, base.arch.gguf_name, fill, planned)
