@@ -254,6 +254,16 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def parse_yaml(text: str, source: str) -> Any:
+    """YAML read safely (never yaml.load); a syntax error is a UserError naming source:line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{source}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from exc
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config (or the defaults when path is None) and apply key=value overrides."""
     data: dict[str, Any] = {}
@@ -266,12 +276,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise UserError(f"config file {path} not found; pass the path of a YAML file such as "
                             "configs/quickstart.yaml")
         text = file.read_text(encoding="utf-8")
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f":{mark.line + 1}" if mark is not None else ""
-            raise UserError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from exc
+        loaded = parse_yaml(text, str(path))
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

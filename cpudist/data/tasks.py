@@ -132,17 +132,11 @@ class _Harness:
     """A harness task YAML: its settings, and doc_to_* applied to one record."""
 
     def __init__(self, path: Path) -> None:
-        import yaml
+        from cpudist.config import parse_yaml
 
         self.path = path
         text = path.read_text(encoding="utf-8")
-        try:
-            config = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            line = f":{mark.line + 1}" if mark is not None else ""
-            raise UserError(f"{path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})"
-                            ) from None
+        config = parse_yaml(text, str(path))
         if not isinstance(config, dict):
             raise UserError(f"{path}: expected an lm-evaluation-harness task (a mapping of keys "
                             "such as task, dataset_path, doc_to_text)")
