@@ -17,6 +17,14 @@ from torch import nn
 from cpudist.data.tokenize import IGNORE
 
 
+def softmax_rows() -> int:
+    """Rows of a chunk whose softmax is taken together in fp32: two per thread (the softmax
+    kernel splits rows among threads), at least 4. On 2 threads that is 2.4 MB of fp32 for a
+    152k vocabulary, which stays in cache through the five passes over it; whole 256-row chunks
+    (155 MB) went to memory and back each pass: measured 8-10 % slower and 0.15 GB more RSS."""
+    return max(4, 2 * torch.get_num_threads())
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(hidden_i @ W^T + b, target_i), with d/dhidden computed chunk by chunk in forward."""
 
@@ -25,13 +33,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 targets: torch.Tensor, chunk: int) -> torch.Tensor:
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
-        # Two vocabulary-wide buffers serve every chunk. A fresh 100+ MB tensor per chunk and op
-        # cost more than the softmax itself: malloc maps such blocks anew each time and the kernel
-        # zero-fills every page on first touch (measured: a 156 MB copy 51 ms fresh, 6 ms reused).
+        # Two vocabulary-wide buffers serve every chunk (logits for the chunk, fp32 for a few of
+        # its rows). A fresh 100+ MB tensor per chunk and op cost more than the softmax itself:
+        # malloc maps such blocks anew each time and the kernel zero-fills every page on first
+        # touch (measured: a 156 MB copy 51 ms fresh, 6 ms reused).
         width, vocab = min(chunk, hidden.shape[0]), weight.shape[0]
         logits_buffer = torch.empty((width, vocab), dtype=weight.dtype)
-        fp32_buffer = (logits_buffer if weight.dtype == torch.float32
-                       else torch.empty((width, vocab), dtype=torch.float32))
+        rows_fp32 = min(width, softmax_rows())
+        fp32_buffer = (None if weight.dtype == torch.float32
+                       else torch.empty((rows_fp32, vocab), dtype=torch.float32))
         for start in range(0, hidden.shape[0], chunk):
             rows = hidden[start : start + chunk].to(weight.dtype)
             target = targets[start : start + chunk]
@@ -40,18 +50,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 torch.mm(rows, weight.t(), out=logits)
             else:
                 torch.addmm(bias, rows, weight.t(), out=logits)
-            # log-probabilities in fp32, in place (the softmax reads a row before it writes it).
-            logp = fp32_buffer[: rows.shape[0]]
-            if logp is not logits:
-                logp.copy_(logits)
-            torch.log_softmax(logp, dim=-1, out=logp)
-            total -= logp.gather(1, target[:, None]).sum()
+            # The softmax runs softmax_rows() rows at a time: rows are independent, so the result
+            # is the same as over the whole chunk, while the fp32 copy stays small and in cache.
+            for first in range(0, logits.shape[0], rows_fp32):
+                part = logits[first : first + rows_fp32]
+                part_target = target[first : first + rows_fp32]
+                # log-probabilities in fp32, in place (the softmax reads a row before writing it).
+                logp = part if fp32_buffer is None else fp32_buffer[: part.shape[0]].copy_(part)
+                torch.log_softmax(logp, dim=-1, out=logp)
+                total -= logp.gather(1, part_target[:, None]).sum()
+                if grad_hidden is not None:
+                    # d(CE)/d(logits) = softmax - one_hot, then back through the frozen head.
+                    probs = logp.exp_()
+                    probs[torch.arange(part_target.shape[0]), part_target] -= 1.0
+                    if probs is not part:
+                        part.copy_(probs)
             if grad_hidden is not None:
-                # d(CE)/d(logits) = softmax - one_hot, then back through the frozen head.
-                probs = logp.exp_()
-                probs[torch.arange(target.shape[0]), target] -= 1.0
-                if probs is not logits:
-                    logits.copy_(probs)
                 grad_rows = grad_hidden[start : start + chunk]
                 if grad_rows.dtype == weight.dtype:
                     torch.mm(logits, weight, out=grad_rows)

@@ -10,6 +10,7 @@ import torch
 
 from cpudist.data.batches import collate, pack
 from cpudist.data.tokenize import TokenizedSplit
+from cpudist.model import loss as loss_module
 from cpudist.model.loss import CausalLMLoss, packed_attention_mask
 from tests.helpers import grad_atol, lora_model, loss_and_grads, random_split
 
@@ -42,6 +43,33 @@ def test_chunked_loss_in_bf16_matches_the_full_logits_path(tiny_qwen: Path, tmp_
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(chunked[2][name], grad, rtol=2e-2, atol=2e-2 * float(grad.abs().max()),
                                    msg=name)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_softmax_in_row_slices_gives_the_same_gradient(rows: int, monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    # The bf16 head takes its fp32 softmax a few rows at a time (softmax_rows); rows are
+    # independent, so any slicing (1 row, a remainder of 3 into a 5-row chunk, the whole chunk)
+    # gives the bit-identical hidden-state gradient; only the loss sum's order changes.
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(13, 32, generator=generator).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(1000, 32, generator=generator) * 0.3).to(torch.bfloat16)
+    targets = torch.randint(0, 1000, (13,), generator=generator)
+
+    def loss_and_grad(softmax_rows: int) -> tuple[float, torch.Tensor]:
+        monkeypatch.setattr(loss_module, "softmax_rows", lambda: softmax_rows)
+        hidden.grad = None
+        total = loss_module._ChunkedLinearCrossEntropy.apply(hidden, weight, None, targets, 5)
+        total.backward()
+        return float(total), hidden.grad.clone()
+
+    whole_loss, whole_grad = loss_and_grad(5)
+    sliced_loss, sliced_grad = loss_and_grad(rows)
+    assert torch.equal(sliced_grad, whole_grad)
+    assert sliced_loss == pytest.approx(whole_loss, rel=1e-6)
+    reference = torch.nn.functional.cross_entropy((hidden.float() @ weight.float().t()), targets,
+                                                  reduction="sum")
+    assert sliced_loss == pytest.approx(float(reference), rel=1e-2)
 
 
 def test_packed_rows_equal_separate_samples(tiny_qwen: Path, tmp_path: Path) -> None:
