@@ -107,6 +107,10 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, config: Data
     return TokenizedSplit(input_ids, labels), TokenizeStats(len(records), truncated, dropped)
 
 
+_PROBE: Messages = [{"role": "user", "content": "Hello, what is 2 + 2?"},
+                    {"role": "assistant", "content": " 4.\nDone."}]
+
+
 def _fingerprint(path: Path, config: DataConfig, tokenizer: Any) -> str:
     digest = hashlib.sha256()
     if path.is_dir():
@@ -118,8 +122,13 @@ def _fingerprint(path: Path, config: DataConfig, tokenizer: Any) -> str:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
     vocab = json.dumps(sorted(tokenizer.get_vocab().items())[:2000]) + str(len(tokenizer))
+    # What the tokenizer does, not only what it holds: the same vocabulary and template can
+    # tokenize differently (a BOS added or not, another normalizer). A cache keyed on vocabulary
+    # alone kept serving rows that started with a doubled <|im_start|> after such a change.
+    behaviour = [tokenize_conversation(tokenizer, _PROBE),
+                 tokenizer(_PROBE[0]["content"], add_special_tokens=True)["input_ids"]]
     settings = [config.format, config.max_length, config.system_prompt, config.max_samples,
-                tokenizer.chat_template or "", vocab, "v1"]
+                tokenizer.chat_template or "", vocab, behaviour, "v2"]
     digest.update(json.dumps(settings).encode())
     return digest.hexdigest()[:16]
 

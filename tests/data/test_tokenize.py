@@ -93,3 +93,25 @@ def test_build_caches_tokens_and_holds_out_validation(tokenizer, tmp_path: Path)
     assert (cached / "stats.json").stat().st_mtime_ns == stamp  # read from cache, not re-tokenized
     assert train2.input_ids == train.input_ids and val2.input_ids == val.input_ids
     assert not set(map(tuple, train.input_ids)) & set(map(tuple, val.input_ids))
+
+
+def test_cache_is_not_reused_when_the_tokenizer_tokenizes_differently(tokenizer_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    # Same vocabulary and chat template, but a post-processor that adds a BOS token: the cached
+    # token ids of the first tokenizer must not be served to the second.
+    from tokenizers.processors import TemplateProcessing
+
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"},
+                          {"role": "assistant", "content": f"answer {i}"}]} for i in range(8)]
+    config = DataConfig(path=str(write_jsonl(tmp_path / "d.jsonl", rows)), format="chat",
+                        val_fraction=0.0, cache_dir=str(tmp_path / "cache"))
+    plain = AutoTokenizer.from_pretrained(tokenizer_dir)
+    with_bos = AutoTokenizer.from_pretrained(tokenizer_dir)
+    bos = with_bos.convert_tokens_to_ids("<|im_start|>")
+    with_bos._tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    first, _, _ = build_datasets(config, plain, seed=0)
+    second, _, _ = build_datasets(config, with_bos, seed=0)
+    assert len(list((tmp_path / "cache").glob("d-*/stats.json"))) == 2
+    assert first.input_ids[0][0] == bos and first.input_ids[0][1] != bos
+    assert second.input_ids[0][:2] == [bos, bos]  # what that tokenizer really produces
