@@ -121,7 +121,10 @@ class TrainConfig(_Section):
     # Label positions per LM-head chunk; 0 = full logits. 256 rows of a 152k vocabulary are
     # ~0.3 GB of fp32 logits per rank (1024 cost 1 GB more peak RSS, docs/PERFORMANCE.md).
     loss_chunk_size: int = Field(256, ge=0)
-    compile: bool = False
+    # torch.compile over the decoder layers: true, false, or auto (compile where it was measured
+    # to pay for its compile time: hidden size >= 768 and >= 200 steps, a C++ compiler present;
+    # cpudist.train.engine.decide_compile).
+    compile: bool | Literal["auto"] = "auto"
     ipex: bool = False
     # Before loading, refuse a run whose predicted memory exceeds the node's (`cpudist plan`);
     # false runs anyway (e.g. when swap or a better estimate says it fits).

@@ -171,7 +171,7 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
         "losses": losses,
         "profile": profile,
         "padding_fraction": 0.0 if pad_cells == 0 else 1.0 - pad_real / pad_cells,
-        "dtype": precision.describe(), "threads": process.threads,
+        "dtype": precision.describe(), "compiled": engine.compiled, "threads": process.threads,
         "world_size": placement.world_size, "steps": args.steps, "warmup_steps": args.warmup,
         "step_s": step_times, "data": engine.data.description,
         "model_dir": str(engine.session.model_dir), "preset": args.preset, "layers": args.layers,

@@ -63,6 +63,16 @@ def _malloc() -> str:
     return f"{name} {lib}, {ENV}={request}"
 
 
+def _compile_readiness() -> str:
+    from cpudist.train.engine import COMPILE_MIN_HIDDEN, COMPILE_MIN_STEPS, compiler_problem
+
+    problem = compiler_problem()
+    if problem:
+        return f"unavailable: {problem}; train.compile=auto stays eager"
+    return (f"can build; train.compile=auto compiles models with hidden size >= "
+            f"{COMPILE_MIN_HIDDEN} on runs of >= {COMPILE_MIN_STEPS} steps")
+
+
 def report() -> list[tuple[str, str]]:
     import torch
 
@@ -85,6 +95,7 @@ def report() -> list[tuple[str, str]]:
                       f"{placement.local_size} on this node"),
         ("threads per rank", str(threads_for_rank(placement))),
         ("malloc (train, bench, ...)", _malloc()),
+        ("torch.compile (auto)", _compile_readiness()),
         ("python", platform.python_version()),
         ("torch", f"{torch.__version__} (gloo: {torch.distributed.is_gloo_available()})"),
         ("transformers", _version("transformers")),

@@ -66,9 +66,8 @@ def _with_quantized_layers(peft_config: Any) -> Any:
     return peft_config
 
 
-def apply_adapter(model: nn.Module, config: LoraConfig, compiled: bool = False) -> nn.Module:
-    """The frozen base wrapped with a fresh, trainable adapter (fp32 weights); compiled: the
-    decoder layers will run under torch.compile (the fast path then shares no A GEMMs)."""
+def apply_adapter(model: nn.Module, config: LoraConfig) -> nn.Module:
+    """The frozen base wrapped with a fresh, trainable adapter (fp32 weights)."""
     from peft import get_peft_model
 
     if isinstance(config.target_modules, list):
@@ -102,7 +101,7 @@ def apply_adapter(model: nn.Module, config: LoraConfig, compiled: bool = False) 
     if config.fast_path:
         from cpudist.model.fast_lora import install_fast_path
 
-        install_fast_path(peft_model, compiled)
+        install_fast_path(peft_model)
     return peft_model
 
 

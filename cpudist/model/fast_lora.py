@@ -89,12 +89,8 @@ def _fast_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torc
     return out.view(lora.shape)
 
 
-def install_fast_path(model: nn.Module, compiled: bool = False) -> int:
-    """Give every servable PEFT LoRA linear layer the fast forward; returns how many got it.
-
-    compiled=True (the layers will run under torch.compile) leaves out the shared A GEMM, whose
-    sibling modules would make Inductor specialise and recompile each layer's graph, and the
-    addmm accumulation, since Inductor fuses the add itself."""
+def install_fast_path(model: nn.Module) -> int:
+    """Give every servable PEFT LoRA linear layer the fast forward; returns how many got it."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     layers = {name: module for name, module in model.named_modules()
@@ -103,14 +99,14 @@ def install_fast_path(model: nn.Module, compiled: bool = False) -> int:
         module._peft_forward = module.forward
         module._cpudist_shared = None
         module._cpudist_slot = 0
-        module._cpudist_accumulate = not compiled
+        module._cpudist_accumulate = True
         module.forward = types.MethodType(_fast_forward, module)
     by_parent: dict[str, dict[str, nn.Module]] = {}
     for name, module in layers.items():
         parent, _, leaf = name.rpartition(".")
         by_parent.setdefault(parent, {})[leaf] = module
     groups = 0
-    for siblings in by_parent.values() if not compiled else ():
+    for siblings in by_parent.values():
         for group in SHARED_INPUT_GROUPS:
             members = [siblings[leaf] for leaf in sorted(group) if leaf in siblings]
             if len(members) > 1:
@@ -124,3 +120,14 @@ def install_fast_path(model: nn.Module, compiled: bool = False) -> int:
              f", {skipped} kept on PEFT's forward (dropout, variants or several adapters)"
              if skipped else "")
     return len(layers)
+
+
+def prepare_for_compile(model: nn.Module) -> None:
+    """Switch the fast path to what suits layers that run under torch.compile: no shared A GEMM
+    (its sibling modules would make Inductor specialise and recompile each layer's graph) and no
+    addmm accumulation (Inductor fuses the add itself)."""
+    for module in model.modules():
+        if hasattr(module, "_cpudist_shared"):
+            module._cpudist_shared = None
+            module._cpudist_slot = 0
+            module._cpudist_accumulate = False

@@ -187,14 +187,13 @@ def _load_quantized(config: ModelConfig, path: Path, hf_config: Any, precision: 
     return model
 
 
-def build_model(config: ModelConfig, lora: LoraConfig, precision: Precision,
-                compiled: bool = False) -> tuple[nn.Module, Any, Path]:
-    """What training loads: (peft model with a fresh adapter, tokenizer, resolved model dir);
-    compiled: its decoder layers will run under torch.compile."""
+def build_model(config: ModelConfig, lora: LoraConfig, precision: Precision
+                ) -> tuple[nn.Module, Any, Path]:
+    """What training loads: (peft model with a fresh adapter, tokenizer, resolved model dir)."""
     path = resolve_model_path(config)
     tokenizer = load_tokenizer(path, config.trust_remote_code)
     base = load_base_model(config, path, precision, map_weights=config.share_frozen_weights)
-    model = apply_adapter(base, lora, compiled)
+    model = apply_adapter(base, lora)
     # The saved adapter_config.json names its base; an absolute path reloads from anywhere
     # (PEFT would write the path as given, relative to where the run started).
     for peft_config in model.peft_config.values():

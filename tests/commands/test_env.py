@@ -19,6 +19,11 @@ def test_env_command_reports_machine() -> None:
 
     malloc = next(line for line in result.stdout.splitlines() if line.startswith("malloc"))
     assert (choose_allocator("auto")[0] or "glibc malloc") in malloc and "CPUDIST_ALLOCATOR=auto" in malloc
+    from cpudist.train.engine import compiler_problem
+
+    compile_line = next(line for line in result.stdout.splitlines()
+                        if line.startswith("torch.compile (auto)"))
+    assert ("can build" in compile_line) == (compiler_problem() is None), compile_line
 
 
 def test_env_shell_prints_a_bound_ranks_environment() -> None:

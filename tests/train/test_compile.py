@@ -1,5 +1,6 @@
-"""train.compile=true (Inductor over the decoder layers) trains to the same losses as eager, on
-length-grouped chat batches of varying length (dynamic shapes), and says so in its log."""
+"""train.compile: true (Inductor over the decoder layers) trains to the same losses as eager, on
+length-grouped chat batches of varying length (dynamic shapes), and says so in its log; auto
+compiles only big models on long runs where a compiler is present (decide_compile)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from cpudist.config import Config
+from cpudist.errors import UserError
+from cpudist.train.engine import COMPILE_MIN_HIDDEN, COMPILE_MIN_STEPS, decide_compile
 from tests.helpers import cpudist_cmd, run, step_losses, tiny_overrides
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                       reason="torch.compile's CPU backend needs a C++ compiler (apt-get install g++)"),
-]
 
-
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile's CPU backend needs a C++ compiler (apt-get install g++)")
 def test_compiled_layers_train_like_eager(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
     losses = {}
     for compiled in (False, True):
@@ -25,7 +26,38 @@ def test_compiled_layers_train_like_eager(tiny_llama: Path, chat_file: Path, tmp
                     *tiny_overrides(tiny_llama, chat_file, out, train__compile=compiled)])
         assert done.returncode == 0, done.stderr[-3000:]
         assert ("torch.compile: 2 decoder layers" in done.stdout) == compiled
+        assert ("torch.compile: on (train.compile=true)" if compiled
+                else "torch.compile: off (train.compile=false)") in done.stdout
         losses[compiled] = step_losses(out)
     eager, compiled_run = losses[False], losses[True]
     assert [s for s, _ in compiled_run] == [s for s, _ in eager] == [1, 2, 3, 4]
     assert [loss for _, loss in compiled_run] == pytest.approx([loss for _, loss in eager], rel=1e-4)
+
+
+def _decide(setting: object, hidden: int = 896, steps: int = 500, compiler: str | None = None,
+            **train: object) -> tuple[bool, str]:
+    config = Config.model_validate({"train": {"compile": setting, **train}})
+    return decide_compile(config, hidden, steps, compiler)
+
+
+def test_auto_compiles_big_models_on_long_runs_only() -> None:
+    assert Config().train.compile == "auto"
+    assert _decide("auto")[0]
+    assert _decide("auto", hidden=COMPILE_MIN_HIDDEN, steps=COMPILE_MIN_STEPS)[0]
+    small, why = _decide("auto", hidden=576)  # SmolLM2-135M: compiled steps were slower
+    assert not small and "hidden size 576" in why
+    short, why = _decide("auto", steps=COMPILE_MIN_STEPS - 1)
+    assert not short and "train.compile=true forces it" in why
+    no_compiler, why = _decide("auto", compiler="no C++ compiler found (apt-get install g++)")
+    assert not no_compiler and "g++" in why
+    assert not _decide("auto", ipex=True)[0]
+    quantized = Config.model_validate({"model": {"quantize": "int4"}})
+    assert not decide_compile(quantized, 4096, 1000, None)[0]
+
+
+def test_explicit_settings_win_and_a_missing_compiler_is_a_clear_error() -> None:
+    assert _decide(True, hidden=64, steps=4) == (True, "train.compile=true")
+    assert _decide(False) == (False, "train.compile=false")
+    assert _decide(False, compiler="no C++ compiler found") == (False, "train.compile=false")
+    with pytest.raises(UserError, match="train.compile=true: torch.compile cannot build here"):
+        _decide(True, compiler="no C++ compiler found (apt-get install g++)")
