@@ -118,9 +118,10 @@ class TrainConfig(_Section):
     resume: str | None = None
     save_on_signal: bool = True
     max_bad_steps: int = Field(5, gt=0)  # consecutive non-finite steps before the run stops
-    # Label positions per LM-head chunk; 0 = full logits. 256 rows of a 152k vocabulary are
-    # ~0.3 GB of fp32 logits per rank (1024 cost 1 GB more peak RSS, docs/PERFORMANCE.md).
-    loss_chunk_size: int = Field(256, ge=0)
+    # Label positions per LM-head chunk; 0 = full logits. 512 rows of a 152k vocabulary are
+    # 156 MB of bf16 logits per rank; fewer rows stream the head's weights more often (256 was
+    # 3 % slower, 1024 no faster; docs/PERFORMANCE.md).
+    loss_chunk_size: int = Field(512, ge=0)
     # torch.compile over the decoder layers: true, false, or auto (compile where it was measured
     # to pay for its compile time: hidden size >= 768 and >= 200 steps, a C++ compiler present;
     # cpudist.train.engine.decide_compile).

@@ -155,7 +155,10 @@ def estimate(config: Config, parts: Parts, ranks_per_node: int, node_memory: tup
     chunk = config.train.loss_chunk_size
     if chunk:
         rows = min(chunk, tokens)
-        rank["loss head chunk"] = rows * parts.vocab * (bytes_per + 4) / GB
+        # The chunk's logits in the compute dtype, plus (bf16) the few rows whose softmax is
+        # taken in fp32 at a time (cpudist.model.loss.softmax_rows; 64 covers 32 threads).
+        fp32_rows = 0 if bytes_per == 4 else min(rows, 64)
+        rank["loss head chunk"] = (rows * bytes_per + fp32_rows * 4) * parts.vocab / GB
     else:
         rank["full logits"] = tokens * parts.vocab * 4 * 3 / GB
     if quantize != "none":
