@@ -124,8 +124,7 @@ class Engine:
         self.step_module = (wrap_ddp(loss_module, config, self.comm) if placement.distributed
                             else loss_module)
         hidden = getattr(getattr(self.model, "config", None), "hidden_size", 0) or 0
-        problem = None if tc.compile is False else compiler_problem()
-        self.compiled, why = decide_compile(config, hidden, self.total_steps, problem)
+        self.compiled, why = decide_compile(config, hidden, self.total_steps, compiler_problem)
         if self.compiled:
             compile_decoder_layers(session.model, fall_back_to_eager=tc.compile == "auto")
         log.info("torch.compile: %s (%s)", "on" if self.compiled else "off", why)
@@ -230,31 +229,37 @@ def compiler_problem() -> str | None:
 
 
 def decide_compile(config: Config, hidden_size: int, total_steps: int,
-                   compiler: str | None) -> tuple[bool, str]:
-    """(compile the decoder layers?, why) for train.compile true/false/auto; compiler: what
-    compiler_problem() said. Pure, so the rule is tested. A resumed run on the same world size
-    decides the same way, so it computes what the uninterrupted one did (total_steps can change
-    with the world size when train.global_batch is not set)."""
+                   find_compiler_problem: Callable[[], str | None]) -> tuple[bool, str]:
+    """(compile the decoder layers?, why) for train.compile true/false/auto.
+
+    find_compiler_problem (compiler_problem in a run) is asked last, only when the answer depends
+    on it: importing Inductor to ask takes over a second. Otherwise pure, so the rule is tested.
+    A resumed run on the same world size decides the same way, so it computes what the
+    uninterrupted one did (total_steps can change with the world size when train.global_batch is
+    not set)."""
     setting = config.train.compile
-    if setting is not True and setting != "auto":
+    if setting is False:
         return False, "train.compile=false"
-    if compiler is not None:
+    if setting == "auto":
+        if config.train.ipex:
+            return False, "auto: train.ipex=true optimizes the model instead"
+        if config.model.quantize != "none":
+            return False, ("auto: a quantized base is not measured under compile; "
+                           "train.compile=true forces it")
+        if hidden_size < COMPILE_MIN_HIDDEN:
+            return False, (f"auto: hidden size {hidden_size} < {COMPILE_MIN_HIDDEN}, where "
+                           "compiled steps were not faster")
+        if total_steps < COMPILE_MIN_STEPS:
+            return False, (f"auto: {total_steps} steps < {COMPILE_MIN_STEPS}, too few to repay "
+                           "the compile time; train.compile=true forces it")
+    problem = find_compiler_problem()
+    if problem is not None:
         if setting is True:
-            raise UserError(f"train.compile=true: torch.compile cannot build here: {compiler}; "
+            raise UserError(f"train.compile=true: torch.compile cannot build here: {problem}; "
                             "install it or use train.compile=auto (compiles only where it can)")
-        return False, f"auto: {compiler}"
+        return False, f"auto: {problem}"
     if setting is True:
         return True, "train.compile=true"
-    if config.train.ipex:
-        return False, "auto: train.ipex=true optimizes the model instead"
-    if config.model.quantize != "none":
-        return False, "auto: a quantized base is not measured under compile; train.compile=true forces it"
-    if hidden_size < COMPILE_MIN_HIDDEN:
-        return False, (f"auto: hidden size {hidden_size} < {COMPILE_MIN_HIDDEN}, where compiled "
-                       "steps were not faster")
-    if total_steps < COMPILE_MIN_STEPS:
-        return False, (f"auto: {total_steps} steps < {COMPILE_MIN_STEPS}, too few to repay the "
-                       "compile time; train.compile=true forces it")
     return True, f"auto: hidden size {hidden_size}, {total_steps} steps"
 
 

@@ -37,7 +37,7 @@ def test_compiled_layers_train_like_eager(tiny_llama: Path, chat_file: Path, tmp
 def _decide(setting: object, hidden: int = 896, steps: int = 500, compiler: str | None = None,
             **train: object) -> tuple[bool, str]:
     config = Config.model_validate({"train": {"compile": setting, **train}})
-    return decide_compile(config, hidden, steps, compiler)
+    return decide_compile(config, hidden, steps, lambda: compiler)
 
 
 def test_auto_compiles_big_models_on_long_runs_only() -> None:
@@ -52,7 +52,17 @@ def test_auto_compiles_big_models_on_long_runs_only() -> None:
     assert not no_compiler and "g++" in why
     assert not _decide("auto", ipex=True)[0]
     quantized = Config.model_validate({"model": {"quantize": "int4"}})
-    assert not decide_compile(quantized, 4096, 1000, None)[0]
+    assert not decide_compile(quantized, 4096, 1000, lambda: None)[0]
+
+
+def test_the_compiler_is_looked_for_only_when_the_answer_depends_on_it() -> None:
+    # Importing Inductor to find the compiler takes over a second; small or short runs skip it.
+    def no_asking() -> str | None:
+        raise AssertionError("compiler looked for")
+
+    for setting, hidden, steps in ((False, 4096, 1000), ("auto", 64, 1000), ("auto", 896, 10)):
+        config = Config.model_validate({"train": {"compile": setting}})
+        assert not decide_compile(config, hidden, steps, no_asking)[0]
 
 
 def test_explicit_settings_win_and_a_missing_compiler_is_a_clear_error() -> None:
