@@ -64,8 +64,9 @@ def chat_rows() -> list[dict]:
             for q, a in CHAT_ROWS * 4]
 
 
-def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path) -> Path:
-    """A random-weight causal LM of a real architecture, saved with a real tokenizer."""
+def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path, **sizes: int) -> Path:
+    """A random-weight causal LM of a real architecture, saved with a real tokenizer; sizes
+    overrides the config's (hidden_size=..., num_hidden_layers=...)."""
     from transformers import (
         AutoTokenizer,
         LlamaConfig,
@@ -79,6 +80,7 @@ def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path) -> Path:
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
                   eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    common.update(sizes)
     torch.manual_seed(0)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
