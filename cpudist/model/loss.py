@@ -39,9 +39,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # touch (measured: a 156 MB copy 51 ms fresh, 6 ms reused).
         width, vocab = min(chunk, hidden.shape[0]), weight.shape[0]
         logits_buffer = torch.empty((width, vocab), dtype=weight.dtype)
-        rows_fp32 = min(width, softmax_rows())
-        fp32_buffer = (None if weight.dtype == torch.float32
-                       else torch.empty((rows_fp32, vocab), dtype=torch.float32))
+        # An fp32 head works on its logits in place: there is no copy to keep small, so it takes
+        # the whole chunk at once, as it was measured.
+        in_place = weight.dtype == torch.float32
+        rows_fp32 = width if in_place else min(width, softmax_rows())
+        fp32_buffer = None if in_place else torch.empty((rows_fp32, vocab), dtype=torch.float32)
         for start in range(0, hidden.shape[0], chunk):
             rows = hidden[start : start + chunk].to(weight.dtype)
             target = targets[start : start + chunk]
