@@ -99,6 +99,25 @@ def test_flop_formula_counts_frozen_lora_attention_and_head(tiny_llama: Path) ->
     assert flops.step_flops([10, 4], label_tokens=9) == expected
 
 
+def test_gemm_peak_holds_no_operands_between_probes() -> None:
+    """The probe's matrices would otherwise count in the peak RSS reported as the training's."""
+    import torch
+
+    from cpudist.bench.figures import GemmPeak
+
+    gemm = GemmPeak(torch.float32, [(64, 32, 48)], repeats=1)
+    first, second = gemm.probe(), gemm.probe()
+    assert 0 < first < float("inf") and 0 < second < float("inf")
+    assert gemm.samples == [first, second] and gemm.best == max(first, second)
+
+    def tensors(value: object) -> int:
+        if isinstance(value, torch.Tensor):
+            return 1
+        return sum(map(tensors, value)) if isinstance(value, list | tuple) else 0
+
+    assert not [name for name, value in vars(gemm).items() if tensors(value)]
+
+
 def test_bench_user_errors(tmp_path: Path) -> None:
     result = run([*cpudist_cmd(), "bench", "--layers", "2"])
     assert result.returncode == 2 and "error: --layers needs --preset" in result.stderr
@@ -186,3 +205,21 @@ def test_scaling_runs_each_rank_count(tiny_qwen: Path, tmp_path: Path) -> None:
     assert len(rows[1]["peak_rss_gb"]) == 2
     assert (out / "scaling.png").stat().st_size > 1000
     assert "| 2 |" in (out / "scaling.md").read_text()
+
+
+def test_rounds_state_mfu_against_each_runs_peak_and_the_best_peak() -> None:
+    """A run whose probes all read low is not flattered in the best-peak figure; an invalid run's
+    MFU is marked and left out of the per-run spread."""
+    from cpudist.commands.bench import summarize_rounds
+
+    def run(achieved: float, peak: float) -> dict[str, float | bool]:
+        return {"tokens_per_s": 50.0, "s_per_step": 40.0, "model_tflops": achieved,
+                "peak_tflops": peak, "mfu": achieved / peak, "mfu_valid": achieved <= peak}
+
+    summary, lines = summarize_rounds([run(0.11, 0.19), run(0.11, 0.15), run(0.16, 0.15)])
+    assert summary["mfu_median"] == pytest.approx(0.11 / 0.15 + (0.11 / 0.19 - 0.11 / 0.15) / 2)
+    assert summary["best_peak_tflops"] == 0.19
+    assert summary["mfu_best_peak_min"] == pytest.approx(0.11 / 0.19)
+    assert summary["mfu_best_peak_median"] == pytest.approx(0.11 / 0.19)
+    assert summary["mfu_best_peak_max"] == pytest.approx(0.16 / 0.19)
+    assert "(invalid)" in lines[4] and "median 65.6%" in lines[5]
