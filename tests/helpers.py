@@ -64,9 +64,9 @@ def chat_rows() -> list[dict]:
             for q, a in CHAT_ROWS * 4]
 
 
-def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path, **sizes: int) -> Path:
+def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path, **sizes: object) -> Path:
     """A random-weight causal LM of a real architecture, saved with a real tokenizer; sizes
-    overrides the config's (hidden_size=..., num_hidden_layers=...)."""
+    overrides the config's (hidden_size=..., num_hidden_layers=..., rope_parameters=...)."""
     from transformers import (
         AutoTokenizer,
         LlamaConfig,

@@ -172,7 +172,7 @@ class _Base:
         return values
 
 
-def _llama3_rope_factors(params: dict[str, Any], dim: int) -> torch.Tensor:
+def llama3_rope_factors(params: dict[str, Any], dim: int) -> torch.Tensor:
     """rope_freqs.weight for rope_type llama3 (LlamaModel.generate_extra_tensors in llama.cpp)."""
     freqs = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     factor = params.get("factor", 8.0)
@@ -429,7 +429,7 @@ def export_model(base_dir: Path, out: Path, file_type: str = "f16",
     planned: list[_Planned] = []
     rope = _rope_parameters(config)
     if arch.permute_qk and str(rope["rope_type"]).lower() == "llama3":
-        factors = _llama3_rope_factors(rope, _head_dim(config))
+        factors = llama3_rope_factors(rope, _head_dim(config))
         planned.append(_Planned(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
                                 gguf.GGMLQuantizationType.F32, tuple(factors.shape), lambda f=factors: f))
     for hf_name, file, meta, data_start in _base_tensors(base_dir):

@@ -19,7 +19,7 @@ import torch
 
 from cpudist.errors import UserError
 from cpudist.files import file_lock, replacing
-from cpudist.model.gguf_export import ARCHITECTURES
+from cpudist.model.gguf_export import ARCHITECTURES, llama3_rope_factors
 from cpudist.model.safetensors_io import Spec, write_file, write_index
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,31 @@ def unpermute_qk(weight: torch.Tensor, n_head: int, n_head_kv: int | None) -> to
         n_head = n_head_kv
     return (weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:])
             .swapaxes(1, 2).reshape(weight.shape))
+
+
+# What Llama 3.x releases (and their fine-tunes) use for the four numbers of their rope scaling;
+# the neighbours cover variants. llama.cpp stores only the per-dimension factors they produce.
+_LLAMA3_CONTEXTS = (8192, 4096, 2048, 16384, 32768, 65536, 131072)
+_LLAMA3_FREQ_FACTORS = ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (0.5, 4.0), (2.0, 4.0), (2.0, 8.0))
+
+
+def llama3_rope_parameters(factors: torch.Tensor, rope_theta: float, head_dim: int,
+                           file: Path) -> dict[str, Any]:
+    """rope_type llama3 parameters that reproduce a GGUF's rope_freqs tensor (llama.cpp writes the
+    factors, not the factor / low / high / original-context numbers transformers needs). Only a
+    set that gives back the file's factors is accepted, so the model computes the same rotations."""
+    factor = float(factors.max())
+    for context in _LLAMA3_CONTEXTS:
+        for low, high in _LLAMA3_FREQ_FACTORS:
+            params = {"rope_type": "llama3", "rope_theta": rope_theta, "factor": factor,
+                      "low_freq_factor": low, "high_freq_factor": high,
+                      "original_max_position_embeddings": context}
+            candidate = llama3_rope_factors(params, head_dim)
+            if candidate.shape == factors.shape and torch.allclose(candidate, factors, rtol=1e-5,
+                                                                   atol=1e-6):
+                return params
+    raise UserError(f"model.path={file}: its rope_freqs tensor matches no Llama 3-style rope "
+                    "scaling cpudist knows; use the Hugging Face directory of this model")
 
 
 def _reader(file: Path) -> Any:
@@ -77,9 +102,6 @@ def _convert(file: Path, target: Path) -> None:
         raise UserError(f"model.path={file}: GGUF architecture {arch_name!r} is not supported as a "
                         f"base; supported: {', '.join(a.gguf_name for a in ARCHITECTURES.values())}")
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise UserError(f"model.path={file}: rope_freqs (Llama 3.1-style rope scaling) is not read "
-                        "from GGUF yet; use the Hugging Face directory of this model")
     log.info("converting %s into %s (one time, tensor by tensor to bf16)", file, target)
     try:
         config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
@@ -88,6 +110,13 @@ def _convert(file: Path, target: Path) -> None:
         raise UserError(f"model.path={file}: transformers cannot read its metadata "
                         f"({str(exc).splitlines()[0][:160]})") from None
     config.tie_word_embeddings = "output.weight" not in names
+    by_gguf = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in by_gguf:
+        factors = torch.from_numpy(np.array(by_gguf["rope_freqs.weight"].data, dtype=np.float32))
+        rope = dict(config.rope_parameters or {})
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        config.rope_parameters = {**rope, **llama3_rope_parameters(
+            factors.flatten(), float(rope.get("rope_theta", 10000.0)), head_dim, file)}
     config.architectures = [arch.hf_name]
     for key in ("quantization_config", "_name_or_path"):
         if hasattr(config, key):
@@ -100,7 +129,6 @@ def _convert(file: Path, target: Path) -> None:
                   AutoModelForCausalLM.from_config(config).state_dict().items()}
     tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_name.upper()],
                                           config.num_hidden_layers)
-    by_gguf = {t.name: t for t in reader.tensors}
     sources = {}
     for hf_name, shape in shapes.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:

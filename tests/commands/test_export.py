@@ -3,6 +3,7 @@ peft's, layout against the gguf reader), and bad input gets one-line errors."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -169,6 +170,54 @@ def test_any_gguf_is_a_base_converted_tensor_by_tensor(tiny_qwen: Path, tiny_lla
         mtime = (converted / "model.safetensors").stat().st_mtime_ns
         assert resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache"))) == converted
         assert (converted / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def test_llama3_rope_scaling_goes_to_gguf_and_back(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """Llama 3.1-style rope scaling travels in GGUF as llama.cpp writes it (the rope_freqs tensor
+    alone); a base read back from that file rotates exactly as the original model does."""
+    from transformers import AutoModelForCausalLM
+
+    from cpudist.config import ModelConfig
+    from cpudist.model.load import resolve_model_path
+    from tests.helpers import make_tiny_model
+
+    # head_dim 32: 16 rotary frequencies, some below, some inside, some above the scaled band.
+    original = make_tiny_model("llama", tokenizer_dir, tmp_path / "llama31", hidden_size=128,
+                               num_attention_heads=4, max_position_embeddings=131072,
+                               rope_parameters=LLAMA31_ROPE)
+    file = tmp_path / "llama31.gguf"
+    assert main(["export", "--base", str(original), "--out", str(file), "--type", "f32"]) == 0
+    converted = resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache")))
+    config = json.loads((converted / "config.json").read_text())
+    assert {k: config["rope_parameters"][k] for k in LLAMA31_ROPE} == LLAMA31_ROPE
+
+    def inv_freq(model_dir: Path) -> torch.Tensor:
+        return AutoModelForCausalLM.from_pretrained(model_dir).model.rotary_emb.inv_freq
+
+    scaled = inv_freq(original)
+    torch.testing.assert_close(inv_freq(converted), scaled, rtol=0, atol=0)
+    default = make_tiny_model("llama", tokenizer_dir, tmp_path / "plain", hidden_size=128,
+                              num_attention_heads=4, rope_parameters={"rope_type": "default",
+                                                                      "rope_theta": 500000.0})
+    assert not torch.equal(inv_freq(default), scaled)  # the scaling changes some frequencies
+
+
+def test_rope_freqs_that_match_no_llama3_scaling_are_refused(tmp_path: Path) -> None:
+    from cpudist.errors import UserError
+    from cpudist.model.gguf_export import llama3_rope_factors
+    from cpudist.model.gguf_import import llama3_rope_parameters
+
+    for params in (LLAMA31_ROPE, {**LLAMA31_ROPE, "factor": 32.0}):  # Llama 3.1, Llama 3.2
+        factors = llama3_rope_factors(params, 128)
+        assert llama3_rope_parameters(factors, 500000.0, 128, tmp_path / "m.gguf") == params
+    odd = llama3_rope_factors(LLAMA31_ROPE, 128)
+    odd[40] *= 1.5
+    with pytest.raises(UserError, match="m.gguf: its rope_freqs tensor matches no Llama 3"):
+        llama3_rope_parameters(odd, 500000.0, 128, tmp_path / "m.gguf")
 
 
 def test_llama_cpp_written_gguf_reads_back_like_transformers(smol_dir: Path, tmp_path: Path) -> None:
