@@ -185,3 +185,38 @@ def test_chat_mode_works_from_the_file_alone(exported: dict) -> None:
         messages=[{"role": "user", "content": "Hello, who are you?"}], max_tokens=24, temperature=0)
     text = reply["choices"][0]["message"]["content"]
     assert text.strip() and "<|im_start|>" not in text and "<|im_end|>" not in text
+
+
+def test_llama3_rope_scaling_runs_in_llama_cpp_as_in_transformers(tokenizer_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """A Llama 3.1-style model (rope scaling written as llama.cpp's rope_freqs tensor) gives
+    llama.cpp the logits transformers computes; without the scaling they would differ."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.commands.test_export import LLAMA31_ROPE
+    from tests.helpers import make_tiny_model
+
+    # Large initial weights make attention sharp, so a change of rotation shows in the logits.
+    shape = dict(hidden_size=128, num_attention_heads=4, max_position_embeddings=131072,
+                 initializer_range=0.3)
+    scaled = make_tiny_model("llama", tokenizer_dir, tmp_path / "scaled", rope_parameters=LLAMA31_ROPE,
+                             **shape)
+    plain = make_tiny_model("llama", tokenizer_dir, tmp_path / "plain", **shape,  # same weights
+                            rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    file = tmp_path / "scaled.gguf"
+    result = run([*cpudist_cmd(), "export", "--base", scaled, "--type", "f32", "--out", file])
+    assert result.returncode == 0, result.stderr[-3000:]
+    ids = torch.randint(100, 40000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def transformers_logits(model_dir: Path) -> np.ndarray:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].double().numpy()
+
+    llm = _llama(file)
+    llm.eval(ids)  # type: ignore[attr-defined]
+    cpp = np.asarray(llm.scores[: len(ids)], dtype=np.float64)  # type: ignore[attr-defined]
+    error = np.abs(cpp - transformers_logits(scaled)).max()
+    unscaled = np.abs(cpp - transformers_logits(plain)).max()
+    assert error < 0.02 * np.abs(cpp).max(), (error, np.abs(cpp).max())
+    assert unscaled > 10 * error, (unscaled, error)
