@@ -101,7 +101,7 @@ def _convert(file: Path, target: Path) -> None:
     if arch is None:
         raise UserError(f"model.path={file}: GGUF architecture {arch_name!r} is not supported as a "
                         f"base; supported: {', '.join(a.gguf_name for a in ARCHITECTURES.values())}")
-    names = {t.name for t in reader.tensors}
+    by_gguf = {t.name: t for t in reader.tensors}
     log.info("converting %s into %s (one time, tensor by tensor to bf16)", file, target)
     try:
         config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
@@ -109,8 +109,7 @@ def _convert(file: Path, target: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"model.path={file}: transformers cannot read its metadata "
                         f"({str(exc).splitlines()[0][:160]})") from None
-    config.tie_word_embeddings = "output.weight" not in names
-    by_gguf = {t.name: t for t in reader.tensors}
+    config.tie_word_embeddings = "output.weight" not in by_gguf
     if "rope_freqs.weight" in by_gguf:
         factors = torch.from_numpy(np.array(by_gguf["rope_freqs.weight"].data, dtype=np.float32))
         rope = dict(config.rope_parameters or {})
