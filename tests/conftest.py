@@ -14,7 +14,9 @@ from tests.helpers import (
     CHAT_ROWS,
     MODEL_CACHE,
     chat_rows,
+    chatterbot_lines,
     make_tiny_model,
+    save_sentencepiece_tokenizer,
     save_tokenizer,
     venv_mpirun,
     write_jsonl,
@@ -34,6 +36,14 @@ def smol_dir() -> Path:
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2's real tokenizer (with its chat template), without converting the weights."""
     return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def spm_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SentencePiece tokenizer (Llama 2 / Mistral 7B kind) trained on chatterbot's English."""
+    pytest.importorskip("sentencepiece", reason="sentencepiece is in the dev extra")
+    root = tmp_path_factory.mktemp("spm-tokenizer")
+    return save_sentencepiece_tokenizer(root / "tokenizer", chatterbot_lines("english", root))
 
 
 @pytest.fixture(scope="session")

@@ -58,6 +58,35 @@ def save_tokenizer(target: Path) -> Path:
     return target
 
 
+def chatterbot_lines(language: str, cache_dir: Path) -> list[str]:
+    """Every question and answer of one chatterbot-corpus language, a line each."""
+    from cpudist.data.read import read_records, resolve_data_path
+
+    rows = read_records(resolve_data_path(f"chatterbot:{language}", str(cache_dir)))
+    return [message["content"] for row in rows for message in row["messages"]]
+
+
+def save_sentencepiece_tokenizer(target: Path, lines: list[str]) -> Path:
+    """A real SentencePiece BPE tokenizer as Llama 2 and Mistral 7B have one (byte fallback, split
+    digits, "<unk>" "<s>" "</s>" first), trained on lines, saved as transformers saves Llama's
+    (tokenizer.json), plus the sentencepiece model itself as tokenizer.model."""
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    source = target / "sentencepiece"
+    source.mkdir(parents=True)
+    (source / "corpus.txt").write_text("\n".join(lines), encoding="utf-8")
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(source / "corpus.txt"), model_prefix=str(source / "tokenizer"), vocab_size=600,
+        model_type="bpe", byte_fallback=True, split_digits=True, character_coverage=1.0,
+        allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (source / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "legacy": False}))
+    AutoTokenizer.from_pretrained(source).save_pretrained(target)
+    return target
+
+
 def chat_rows() -> list[dict]:
     """The small chat data set of the tests (32 samples)."""
     return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
@@ -71,6 +100,8 @@ def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path, **sizes: objec
         AutoTokenizer,
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
     )
@@ -84,6 +115,8 @@ def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path, **sizes: objec
     torch.manual_seed(0)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     model.save_pretrained(target, safe_serialization=True)

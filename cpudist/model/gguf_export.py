@@ -1,5 +1,5 @@
 """GGUF files that llama.cpp loads: a base or merged model (`export_model`) and a LoRA adapter on its
-own (`export_lora`), for the Llama (SmolLM2 included) and Qwen2 architectures.
+own (`export_lora`), for the Llama (SmolLM2 included), Mistral and Qwen2 architectures.
 
 Built on the `gguf` package (writer, tensor-name map, quantizers, special-token reader). Where
 llama.cpp's own converters (convert_hf_to_gguf.py and its conversion/ package, convert_lora_to_gguf.py,
@@ -65,6 +65,9 @@ class Architecture:
 ARCHITECTURES = {
     "LlamaForCausalLM": Architecture("LlamaForCausalLM", "llama", True, True),
     "Qwen2ForCausalLM": Architecture("Qwen2ForCausalLM", "qwen2", False, False),
+    # llama.cpp converts Mistral as a Llama (conversion/llama.py registers both). Its Llama graph
+    # has no sliding window: v0.1's 4096-token window is dropped there too (v0.2 on have none).
+    "MistralForCausalLM": Architecture("MistralForCausalLM", "llama", True, True),
 }
 
 # llama.cpp names the BPE pre-tokenizer by a hash of how the tokenizer splits a check text
@@ -230,21 +233,49 @@ def _pre_tokenizer_by_rule(tokenizer: Any) -> str | None:
 
 
 def _add_tokenizer(writer: Any, model_dir: Path, vocab_size: int) -> None:
-    """A GPT-2-style BPE vocabulary with merges, special tokens and chat template (llama.cpp's
-    _set_vocab_gpt2 + get_vocab_base), so llama.cpp's chat mode needs no extra flags."""
+    """The base's vocabulary, special tokens and chat template, so llama.cpp's chat mode needs no
+    extra flags. tokenizer.json decides the kind, as in llama.cpp's LlamaModel.set_vocab: a BPE
+    with byte fallback is a SentencePiece vocabulary (Llama 2, Mistral, and what transformers makes
+    of such a GGUF), anything else a GPT-2-style byte-level BPE (Llama 3, Qwen2, SmolLM)."""
     import gguf
     from transformers import AutoTokenizer
 
     if not (model_dir / "tokenizer.json").is_file():
-        raise UserError(f"{model_dir}: no tokenizer.json; GGUF export needs the base's fast (BPE) "
-                        "tokenizer beside its weights")
+        raise UserError(f"{model_dir}: no tokenizer.json; GGUF export needs the base's fast "
+                        "tokenizer beside its weights (save it with transformers' save_pretrained)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    sentencepiece = spec["model"].get("type") == "BPE" and bool(spec["model"].get("byte_fallback"))
+    if sentencepiece:
+        _add_sentencepiece_vocab(writer, tokenizer, spec, vocab_size)
+    else:
+        _add_gpt2_vocab(writer, tokenizer, model_dir, vocab_size)
+    # llama.cpp's converters load merges for the GPT-2 kind only; its SentencePiece tokenizer ranks
+    # by the scores written above.
+    special = gguf.SpecialVocab(model_dir, load_merges=not sentencepiece, n_vocab=vocab_size)
+    # Tokenizers saved by transformers 5 keep add_bos_token in the post-processor, not in
+    # tokenizer_config.json where SpecialVocab looks: say what the tokenizer really does.
+    probe = tokenizer("a").input_ids
+    special.add_special_token.setdefault("bos", bool(probe) and probe[0] == tokenizer.bos_token_id
+                                         and tokenizer.bos_token_id is not None)
+    special.add_to_gguf(writer, quiet=True)
+
+
+def _gpt2_pre_tokenizer(tokenizer: Any, model_dir: Path) -> str:
     digest = sha256(str(tokenizer.encode(_CHECK_TEXT)).encode()).hexdigest()
     pre = _PRE_TOKENIZERS.get(digest) or _pre_tokenizer_by_rule(tokenizer)
     if pre is None:
         raise UserError(f"{model_dir}/tokenizer.json: its pre-tokenizer is not one llama.cpp knows for "
-                        f"the supported families (check hash {digest[:16]}); export works for Llama 3, "
-                        "Qwen2 and SmolLM tokenizers")
+                        f"the supported families (check hash {digest[:16]}); export works for Llama 2/3, "
+                        "Mistral, Qwen2 and SmolLM tokenizers")
+    return pre
+
+
+def _add_gpt2_vocab(writer: Any, tokenizer: Any, model_dir: Path, vocab_size: int) -> None:
+    """llama.cpp's _set_vocab_gpt2 + get_vocab_base: tokens and types; merges come with SpecialVocab."""
+    import gguf
+
+    pre = _gpt2_pre_tokenizer(tokenizer, model_dir)
     reverse = {index: token for token, index in tokenizer.get_vocab().items()}
     added = tokenizer.added_tokens_decoder
     tokens: list[str] = []
@@ -264,13 +295,63 @@ def _add_tokenizer(writer: Any, model_dir: Path, vocab_size: int) -> None:
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
-    # Tokenizers saved by transformers 5 keep add_bos_token in the post-processor, not in
-    # tokenizer_config.json where SpecialVocab looks: say what the tokenizer really does.
-    probe = tokenizer("a").input_ids
-    special.add_special_token.setdefault("bos", bool(probe) and probe[0] == tokenizer.bos_token_id
-                                         and tokenizer.bos_token_id is not None)
-    special.add_to_gguf(writer, quiet=True)
+
+
+def _adds_space_prefix(spec: dict[str, Any]) -> bool:
+    """Whether the tokenizer puts "▁" before the text: a Metaspace pre-tokenizer (transformers'
+    current Llama converter) or a Prepend normalizer (the legacy one of Llama 2 and Mistral 7B)."""
+    def steps(part: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+        return [] if not part else part.get(key) or [part]
+
+    for step in steps(spec.get("pre_tokenizer"), "pretokenizers"):
+        if step.get("type") == "Metaspace":
+            return step.get("prepend_scheme", "always") != "never" and step.get("add_prefix_space", True)
+    return any(step.get("type") == "Prepend" for step in steps(spec.get("normalizer"), "normalizers"))
+
+
+def _add_sentencepiece_vocab(writer: Any, tokenizer: Any, spec: dict[str, Any], vocab_size: int) -> None:
+    """llama.cpp's SentencePiece ("llama") vocabulary from tokenizer.json.
+
+    llama.cpp's tokenizer joins the adjacent pair whose joined piece scores highest; the BPE of
+    tokenizer.json applies the merge of lowest rank. Scoring each piece minus the rank of the first
+    merge that makes it orders both alike, so llama.cpp splits text as transformers does. (llama.cpp's
+    converter reads sentencepiece's scores from tokenizer.model where there is one, and without one
+    scores every piece -1000, which splits differently; tokenizer.json is always there.)"""
+    import gguf
+
+    merges = spec["model"].get("merges") or []
+    rank: dict[str, int] = {}
+    for index, merge in enumerate(merges):
+        left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
+        rank.setdefault(left + right, index)
+    reverse = {index: token for token, index in tokenizer.get_vocab().items()}
+    added = tokenizer.added_tokens_decoder
+    tokens: list[str] = []
+    scores: list[float] = []
+    types: list[int] = []
+    for index in range(vocab_size):
+        token = reverse.get(index)
+        # Pieces no merge makes (single characters, bytes, specials) never win a join; they sort last.
+        scores.append(-float(rank.get(token, len(merges) + index)) if token is not None else -1e4)
+        if token is None:
+            tokens.append(f"[PAD{index}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        tokens.append(token)
+        if index == tokenizer.unk_token_id:
+            types.append(gguf.TokenType.UNKNOWN)
+        elif index in added:
+            types.append(gguf.TokenType.CONTROL if added[index].special else gguf.TokenType.USER_DEFINED)
+        elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            types.append(gguf.TokenType.BYTE)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_add_space_prefix(_adds_space_prefix(spec))
 
 
 # --------------------------------------------------------------------------- the adapter

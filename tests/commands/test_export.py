@@ -172,6 +172,62 @@ def test_any_gguf_is_a_base_converted_tensor_by_tensor(tiny_qwen: Path, tiny_lla
         assert (converted / "model.safetensors").stat().st_mtime_ns == mtime
 
 
+def _vocabulary(file: Path) -> dict[str, object]:
+    fields = gguf.GGUFReader(file).fields
+    return {key: fields[key].contents() for key in fields if key.startswith("tokenizer.ggml.")}
+
+
+def test_sentencepiece_vocabulary_goes_to_gguf_and_back(spm_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A Mistral base with a SentencePiece tokenizer is written as llama.cpp's "llama" vocabulary
+    (scores ranking pieces as the merges do, byte and control tokens typed); read back as a base
+    and exported again, it gives the same vocabulary and splits text as the original."""
+    from transformers import AutoTokenizer
+
+    from cpudist.config import ModelConfig
+    from cpudist.model.load import resolve_model_path
+    from tests.helpers import make_tiny_model
+
+    base = make_tiny_model("mistral", spm_tokenizer_dir, tmp_path / "mistral")
+    file = tmp_path / "mistral.gguf"
+    assert main(["export", "--base", str(base), "--out", str(file), "--type", "f32"]) == 0
+    assert gguf.GGUFReader(file).fields["general.architecture"].contents() == "llama"
+    vocabulary = _vocabulary(file)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokens, scores, types = (vocabulary[f"tokenizer.ggml.{key}"]
+                             for key in ("tokens", "scores", "token_type"))
+    assert vocabulary["tokenizer.ggml.model"] == "llama" and vocabulary["tokenizer.ggml.add_space_prefix"]
+    assert tokens[:4] == ["<unk>", "<s>", "</s>", "<0x00>"]
+    assert types[:4] == [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL,
+                         gguf.TokenType.BYTE]
+    # The first merge's piece outranks every later one.
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    first, last = ("".join(spec["model"]["merges"][i]) for i in (0, -1))
+    assert scores[tokens.index(first)] > scores[tokens.index(last)]
+
+    converted = resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache")))
+    text = "What is your favourite colour? 42 日本"
+    assert AutoTokenizer.from_pretrained(converted)(text).input_ids == tokenizer(text).input_ids
+    again = tmp_path / "again.gguf"
+    assert main(["export", "--base", str(converted), "--out", str(again), "--type", "f32"]) == 0
+    assert _vocabulary(again) == vocabulary
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    ({"pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first"}}, True),
+    ({"pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "never"}}, False),
+    ({"pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "add_prefix_space": False}}, False),
+    # Llama 2's and Mistral 7B v0.1's tokenizer.json: the "▁" comes from the normalizer.
+    ({"pre_tokenizer": None, "normalizer": {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "▁"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}}, True),
+    ({"pre_tokenizer": None, "normalizer": None}, False),
+], ids=["metaspace-first", "metaspace-never", "metaspace-old-key", "legacy-prepend", "none"])
+def test_space_prefix_is_read_from_either_llama_tokenizer_layout(spec: dict, expected: bool) -> None:
+    from cpudist.model.gguf_export import _adds_space_prefix
+
+    assert _adds_space_prefix(spec) is expected
+
+
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 

@@ -220,3 +220,58 @@ def test_llama3_rope_scaling_runs_in_llama_cpp_as_in_transformers(tokenizer_dir:
     unscaled = np.abs(cpp - transformers_logits(plain)).max()
     assert error < 0.02 * np.abs(cpp).max(), (error, np.abs(cpp).max())
     assert unscaled > 10 * error, (unscaled, error)
+
+
+# Indentation, runs of spaces, newlines, digits and characters the tokenizer never saw (byte
+# fallback): where SentencePiece tokenizers differ most easily.
+TRICKY_TEXTS = ["    def f(x):\n        return x  # 2024", "a  b   c\n\n\td", "Ünïcödé ∑ 🦙 日本語",
+                "1234567890 3.14"]
+
+
+def test_mistral_with_a_sentencepiece_vocabulary_runs_in_llama_cpp_as_in_transformers(
+        spm_tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Mistral model with a SentencePiece tokenizer (the Llama 2 / Mistral 7B kind): llama.cpp
+    splits text exactly as sentencepiece does, and computes transformers' logits. With the flat
+    scores llama.cpp's converter writes from tokenizer.json alone, it would split many lines
+    differently."""
+    import gguf
+    import sentencepiece
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cpudist.cli import main
+    from tests.helpers import chatterbot_lines, make_tiny_model
+
+    base = make_tiny_model("mistral", spm_tokenizer_dir, tmp_path / "mistral", tie_word_embeddings=False)
+    file = tmp_path / "mistral.gguf"
+    result = run([*cpudist_cmd(), "export", "--base", base, "--type", "f32", "--out", file])
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    llm = _llama(file)
+    reference = sentencepiece.SentencePieceProcessor(
+        model_file=str(spm_tokenizer_dir / "sentencepiece" / "tokenizer.model"))
+    texts = [*dict.fromkeys(chatterbot_lines("english", tmp_path)),
+             *chatterbot_lines("chinese", tmp_path)[:200], *TRICKY_TEXTS]
+
+    def differ(llm: object) -> list[str]:
+        return [text for text in texts
+                if llm.tokenize(text.encode(), add_bos=False) != reference.encode(text)]  # type: ignore[attr-defined]
+
+    assert not differ(llm), (len(differ(llm)), len(texts), differ(llm)[:3])
+    write_scores = gguf.GGUFWriter.add_token_scores
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_scores",
+                        lambda writer, scores: write_scores(writer, [-1000.0] * len(scores)))
+    flat = tmp_path / "flat.gguf"
+    assert main(["export", "--base", str(base), "--type", "f32", "--out", str(flat)]) == 0
+    flat_differ = len(differ(_llama(flat)))
+    print(f"flat scores: {flat_differ} of {len(texts)} texts split differently")
+    assert flat_differ > len(texts) // 10
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = tokenizer("What is your favourite colour? Tell me why.").input_ids
+    assert ids == llm.tokenize(b"What is your favourite colour? Tell me why.")  # type: ignore[attr-defined]
+    llm.eval(ids)  # type: ignore[attr-defined]
+    cpp = np.asarray(llm.scores[: len(ids)], dtype=np.float64)  # type: ignore[attr-defined]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].double().numpy()
+    assert np.abs(cpp - expected).max() < 0.01 * np.abs(expected).max()
