@@ -24,22 +24,25 @@ ALPACA_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
 def tokenize_conversation(tokenizer: Any, messages: Messages) -> tuple[list, list]:
-    """Token ids and labels; only assistant turns (and their end-of-turn token) carry loss."""
+    """Token ids and labels; only assistant turns (and their end-of-turn token) carry loss.
+
+    The conversation is rendered, then tokenized whole, as generation and serving see it: pieces
+    tokenized one by one split differently at their seams with SentencePiece tokenizers (Llama 2,
+    Mistral: "[/INST]Paris" is "]", "P", not "]", "▁P"), and a template that writes the BOS itself
+    (Llama 2 and 3, Mistral) got a second one from the tokenizer."""
     if tokenizer.chat_template is None:
-        prompt = "\n\n".join(m["content"] for m in messages if m["role"] != "assistant")
-        answers = [m["content"] for m in messages if m["role"] == "assistant"]
-        prompt_ids = tokenizer(ALPACA_TEMPLATE.format(instruction=prompt),
-                               add_special_tokens=True)["input_ids"]
-        answer_ids = tokenizer("\n".join(answers), add_special_tokens=False)["input_ids"]
-        answer_ids = answer_ids + [tokenizer.eos_token_id]
-        return prompt_ids + answer_ids, [IGNORE] * len(prompt_ids) + answer_ids
+        prompt = ALPACA_TEMPLATE.format(
+            instruction="\n\n".join(m["content"] for m in messages if m["role"] != "assistant"))
+        answer = "\n".join(m["content"] for m in messages if m["role"] == "assistant")
+        ids, labels = _label_spans(tokenizer, prompt + answer, [(len(prompt), len(prompt + answer))],
+                                   add_special_tokens=True)
+        return ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
 
     def render(upto: int, generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(messages[:upto], tokenize=False,
                                              add_generation_prompt=generation_prompt)
 
-    ids: list[int] = []
-    labels: list[int] = []
+    spans: list[tuple[int, int]] = []
     done = ""
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -49,12 +52,30 @@ def tokenize_conversation(tokenizer: Any, messages: Messages) -> tuple[list, lis
         if not before.startswith(done) or not after.startswith(before):
             raise UserError("the tokenizer's chat template does not render conversations as "
                             "growing prefixes; use data.format=text or a standard chat template")
-        prompt_ids = tokenizer(before[len(done):], add_special_tokens=not done)["input_ids"]
-        answer_ids = tokenizer(after[len(before):], add_special_tokens=False)["input_ids"]
-        ids += prompt_ids + answer_ids
-        labels += [IGNORE] * len(prompt_ids) + answer_ids
+        spans.append((len(before), len(after)))
         done = after
-    return ids, labels
+    # As apply_chat_template(tokenize=True): the template writes whatever special tokens it wants.
+    return _label_spans(tokenizer, done, spans, add_special_tokens=False)
+
+
+def _label_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]], add_special_tokens: bool
+                 ) -> tuple[list[int], list[int]]:
+    """text tokenized whole; a token is its own label where it overlaps one of spans (character
+    ranges), IGNORE elsewhere."""
+    if not getattr(tokenizer, "is_fast", False):  # no offsets: tokenize piece by piece
+        ids: list[int] = []
+        labels: list[int] = []
+        cuts = [0, *(cut for span in spans for cut in span), len(text)]
+        for number, (start, end) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
+            piece = tokenizer(text[start:end], add_special_tokens=add_special_tokens and not start)
+            ids += piece["input_ids"]
+            labels += piece["input_ids"] if number % 2 else [IGNORE] * len(piece["input_ids"])
+        return ids, labels
+    encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    labels = [token if end > start and any(start < stop and end > begin for begin, stop in spans)
+              else IGNORE
+              for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)]
+    return list(encoded["input_ids"]), labels
 
 
 @dataclass
@@ -128,7 +149,7 @@ def _fingerprint(path: Path, config: DataConfig, tokenizer: Any) -> str:
     behaviour = [tokenize_conversation(tokenizer, _PROBE),
                  tokenizer(_PROBE[0]["content"], add_special_tokens=True)["input_ids"]]
     settings = [config.format, config.max_length, config.system_prompt, config.max_samples,
-                tokenizer.chat_template or "", vocab, behaviour, "v2"]
+                tokenizer.chat_template or "", vocab, behaviour, "v3"]
     digest.update(json.dumps(settings).encode())
     return digest.hexdigest()[:16]
 

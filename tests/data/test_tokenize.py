@@ -114,4 +114,62 @@ def test_cache_is_not_reused_when_the_tokenizer_tokenizes_differently(tokenizer_
     second, _, _ = build_datasets(config, with_bos, seed=0)
     assert len(list((tmp_path / "cache").glob("d-*/stats.json"))) == 2
     assert first.input_ids[0][0] == bos and first.input_ids[0][1] != bos
-    assert second.input_ids[0][:2] == [bos, bos]  # what that tokenizer really produces
+    # The chat template writes the conversation's special tokens; the tokenizer's own BOS is not
+    # added on top of them (apply_chat_template(tokenize=True) does the same).
+    assert second.input_ids == first.input_ids
+
+
+# Chat templates of SentencePiece-tokenizer models: Mistral 7B Instruct v0.1 (answer glued to
+# "[/INST]") and Llama 2 chat (answer after a space); both write the BOS themselves.
+SENTENCEPIECE_TEMPLATES = {
+    "mistral": "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+               "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+               "{{ message['content'] + eos_token }}{% endif %}{% endfor %}",
+    "llama-2": "{% for message in messages %}{% if message['role'] == 'user' %}"
+               "{{ bos_token + '[INST] ' + message['content'] + ' [/INST]' }}"
+               "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + ' ' + eos_token }}"
+               "{% endif %}{% endfor %}",
+}
+TWO_TURNS = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "Paris is the capital."},
+             {"role": "user", "content": "And of Spain?"}, {"role": "assistant", "content": "Madrid."}]
+
+
+@pytest.mark.parametrize("template", sorted(SENTENCEPIECE_TEMPLATES))
+def test_sentencepiece_chat_is_tokenized_as_generation_sees_it(spm_tokenizer_dir: Path,
+                                                               template: str) -> None:
+    """The ids are the whole conversation's, as apply_chat_template tokenizes it (one BOS, the
+    answer split as it follows its prompt), and the labels are exactly the answers' tokens."""
+    from cpudist.data.tokenize import tokenize_conversation
+
+    tokenizer = AutoTokenizer.from_pretrained(spm_tokenizer_dir)
+    tokenizer.chat_template = SENTENCEPIECE_TEMPLATES[template]
+    ids, labels = tokenize_conversation(tokenizer, TWO_TURNS)
+    assert ids == tokenizer.apply_chat_template(TWO_TURNS, tokenize=True, return_dict=False)
+    assert ids.count(tokenizer.bos_token_id) == 2 if template == "llama-2" else 1
+    answers = [token for token, label in zip(ids, labels, strict=True) if label != IGNORE]
+    assert all(label in (IGNORE, token) for token, label in zip(ids, labels, strict=True))
+    assert _text(tokenizer, answers) == ("Paris is the capital.</s>Madrid.</s>" if template == "mistral"
+                                         else "Paris is the capital. </s> Madrid. </s>")
+    # The prompt a generation starts from is the prompt training saw.
+    prompt = tokenizer.apply_chat_template(TWO_TURNS[:1], tokenize=True, add_generation_prompt=True,
+                                           return_dict=False)
+    assert ids[:len(prompt)] == prompt and labels[len(prompt)] != IGNORE
+
+
+def test_a_tokenizer_without_offsets_is_tokenized_piece_by_piece(tokenizer) -> None:  # noqa: ANN001
+    """Without offsets each prompt and answer is tokenized on its own; for a byte-level BPE that
+    splits at the seams anyway, the result is the whole conversation's."""
+    from cpudist.data.tokenize import tokenize_conversation
+
+    class WithoutOffsets:
+        is_fast = False
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(tokenizer, name)
+
+        def __call__(self, text: str, **kwargs: object) -> object:
+            assert "return_offsets_mapping" not in kwargs
+            return tokenizer(text, **kwargs)
+
+    assert tokenize_conversation(WithoutOffsets(), TWO_TURNS) == tokenize_conversation(tokenizer, TWO_TURNS)
