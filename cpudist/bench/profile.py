@@ -6,6 +6,10 @@ SDPA kernels and everything under them), casts (dtype conversions and copies), t
 (everything under AdamW's step and the gradient clipping), communication (the gradient
 allreduce, as cpudist.runtime.comm measures it for the bench's figures) and the rest of the
 element-wise work. What no operator accounts for is Python and framework overhead.
+
+The GEMM row is also split by shape (m x k x n, with the rate each shape ran at and its share of
+the GEMM peak the bench measured), which says which matmuls run below the machine's peak: on a
+fast-GEMM CPU the LoRA matmuls and the vocabulary-wide head are the usual suspects.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ CATEGORIES = ("GEMM", "attention", "element-wise", "casts", "optimizer", "commun
               "python / framework")
 _GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm",
          "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm")
+GEMM_SHAPES_SHOWN = 12
 _CASTS = ("aten::to", "aten::_to_copy", "aten::copy_", "aten::type_as", "aten::clone",
           "aten::contiguous")
 
@@ -36,19 +41,39 @@ def _category(name: str, ancestors: list[str]) -> str:
     return "element-wise"
 
 
-def profile_step(run_step: Callable[[], Any], wall_of: Callable[[], float] | None = None
-                 ) -> dict[str, Any]:
-    """Run one step under the profiler; {category: ms}, the step's wall ms, and the top ops."""
+# Where a matmul's two factors sit among its inputs (addmm's and baddbmm's first is the added
+# term; an out= tensor may follow them).
+_FACTORS = {"aten::mm": 0, "aten::addmm": 1, "aten::bmm": 0, "aten::baddbmm": 1}
+
+
+def _gemm_shape(name: str, shapes: list[list[int]]) -> tuple[int, int, int, int] | None:
+    """(batch, m, k, n) of a matmul from its input shapes; None for int8/int4 packed kernels,
+    whose weight shapes are packed."""
+    first = _FACTORS.get(name)
+    if first is None or len(shapes) < first + 2:
+        return None
+    left, right = shapes[first], shapes[first + 1]
+    if len(left) == 2 and len(right) == 2:
+        return 1, left[0], left[1], right[1]
+    if len(left) == 3 and len(right) == 3:
+        return left[0], left[1], left[2], right[2]
+    return None
+
+
+def profile_step(run_step: Callable[[], Any]) -> dict[str, Any]:
+    """Run one step under the profiler; {category: ms}, the step's wall ms, the top ops and the
+    GEMM shapes that took the most time."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         started = time.perf_counter()
         run_step()
         wall_ms = (time.perf_counter() - started) * 1e3
     totals = dict.fromkeys(CATEGORIES, 0.0)
     by_op: dict[str, float] = {}
+    by_shape: dict[tuple[int, int, int, int], list[float]] = {}  # shape -> [calls, ms]
     events = prof.events()
     for event in events:
         if event.device_type.name != "CPU":
@@ -68,15 +93,23 @@ def profile_step(run_step: Callable[[], Any], wall_of: Callable[[], float] | Non
             category = _category(event.name, ancestors)
         totals[category] += self_ms
         by_op[event.name] = by_op.get(event.name, 0.0) + self_ms
+        if category == "GEMM" and (shape := _gemm_shape(event.name, event.input_shapes)):
+            calls_ms = by_shape.setdefault(shape, [0, 0.0])
+            calls_ms[0] += 1
+            calls_ms[1] += self_ms
     counted = sum(totals.values())
     # Threads run ops in parallel inside an op only (intra-op), so operator times add up to at
     # most the wall time; what is left is Python between the ops.
     totals["python / framework"] += max(0.0, wall_ms - counted)
     top = sorted(by_op.items(), key=lambda item: -item[1])[:15]
-    return {"wall_ms": wall_ms, "categories_ms": totals, "top_ops_ms": dict(top)}
+    shapes = [{"batch": b, "m": m, "k": k, "n": n, "calls": int(calls), "ms": ms,
+               "tflops": 2 * b * m * k * n * calls / (ms / 1e3) / 1e12 if ms > 0 else 0.0}
+              for (b, m, k, n), (calls, ms) in sorted(by_shape.items(), key=lambda item: -item[1][1])]
+    return {"wall_ms": wall_ms, "categories_ms": totals, "top_ops_ms": dict(top),
+            "gemm_shapes": shapes[:GEMM_SHAPES_SHOWN]}
 
 
-def profile_table(profile: dict[str, Any]) -> str:
+def profile_table(profile: dict[str, Any], peak_tflops: float | None = None) -> str:
     wall = profile["wall_ms"]
     lines = ["| where the step's time went | ms | share |", "|---|---:|---:|"]
     for name, ms in profile["categories_ms"].items():
@@ -92,4 +125,13 @@ def profile_table(profile: dict[str, Any]) -> str:
                   for r, f in enumerate(ranks)]
     lines += ["", "| operator (own time) | ms |", "|---|---:|"]
     lines += [f"| {name} | {ms:.0f} |" for name, ms in profile["top_ops_ms"].items()]
+    shapes = profile.get("gemm_shapes") or []
+    if shapes:
+        peak = f" (GEMM peak {peak_tflops * 1000:.0f} GFLOP/s)" if peak_tflops else ""
+        lines += ["", f"| GEMM shape, batch x m x k x n | calls | ms | GFLOP/s{peak} |",
+                  "|---|---:|---:|---:|"]
+        for g in shapes:
+            share = f" ({100 * g['tflops'] / peak_tflops:.0f} %)" if peak_tflops else ""
+            lines.append(f"| {g['batch']} x {g['m']} x {g['k']} x {g['n']} | {g['calls']} | "
+                         f"{g['ms']:.0f} | {g['tflops'] * 1000:.0f}{share} |")
     return "\n".join(lines)

@@ -93,7 +93,7 @@ def run(ns: argparse.Namespace) -> int:
         return 0
     print(format_table({"cpudist": result}))
     if result.get("profile"):
-        _show_profile(result["profile"], ns.json)
+        _show_profile(result["profile"], result.get("peak_tflops"), ns.json)
     if ns.json == Path("-"):
         print_result(result)
     elif ns.json:
@@ -101,11 +101,11 @@ def run(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _show_profile(profile: dict, json_path: Path | None) -> None:
+def _show_profile(profile: dict, peak_tflops: float | None, json_path: Path | None) -> None:
     from cpudist.bench.profile import profile_table
 
     print()
-    print(profile_table(profile))
+    print(profile_table(profile, peak_tflops))
     if json_path and json_path != Path("-"):
         from cpudist.report.plots import write_profile_plot
 
