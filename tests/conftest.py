@@ -56,6 +56,12 @@ def tiny_qwen(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return make_tiny_model("qwen2", tokenizer_dir, tmp_path_factory.mktemp("tiny-qwen2"))
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3: Q/K norms per head, and heads wider than hidden_size / heads, as the real ones."""
+    return make_tiny_model("qwen3", tokenizer_dir, tmp_path_factory.mktemp("tiny-qwen3"), head_dim=32)
+
+
 @pytest.fixture
 def chat_file(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "chat.jsonl", chat_rows())

@@ -104,6 +104,8 @@ def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path, **sizes: objec
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -117,6 +119,8 @@ def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path, **sizes: objec
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**common))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     model.save_pretrained(target, safe_serialization=True)

@@ -43,6 +43,16 @@ PRESETS: dict[str, Preset] = {
         rope_theta=1_000_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         sliding_window=None),
         "mistralai/Mistral-7B-Instruct-v0.3's architecture, 7.2 B parameters, 14.5 GB"),
+    "qwen3-0.6b": Preset("qwen3", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+        "Qwen/Qwen3-0.6B's architecture (128-wide heads, Q/K norms), 596 M parameters"),
+    "qwen3-8b": Preset("qwen3", dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+        "Qwen/Qwen3-8B's architecture, 8.2 B parameters, 16.4 GB"),
     # The real quickstart model (pretrained weights of the built-in smollm2-135m-instruct).
     "smollm2-135m": Preset("builtin", {"name": "smollm2-135m-instruct"},
                            "the built-in SmolLM2-135M-Instruct, pretrained weights"),

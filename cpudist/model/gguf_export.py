@@ -1,5 +1,5 @@
 """GGUF files that llama.cpp loads: a base or merged model (`export_model`) and a LoRA adapter on its
-own (`export_lora`), for the Llama (SmolLM2 included), Mistral and Qwen2 architectures.
+own (`export_lora`), for the Llama (SmolLM2 included), Mistral, Qwen2 and Qwen3 architectures.
 
 Built on the `gguf` package (writer, tensor-name map, quantizers, special-token reader). Where
 llama.cpp's own converters (convert_hf_to_gguf.py and its conversion/ package, convert_lora_to_gguf.py,
@@ -68,6 +68,8 @@ ARCHITECTURES = {
     # llama.cpp converts Mistral as a Llama (conversion/llama.py registers both). Its Llama graph
     # has no sliding window: v0.1's 4096-token window is dropped there too (v0.2 on have none).
     "MistralForCausalLM": Architecture("MistralForCausalLM", "llama", True, True),
+    # Qwen2's layout plus RMS norms of Q and K per head (attn_q_norm / attn_k_norm).
+    "Qwen3ForCausalLM": Architecture("Qwen3ForCausalLM", "qwen3", False, False),
 }
 
 # llama.cpp names the BPE pre-tokenizer by a hash of how the tokenizer splits a check text
@@ -205,6 +207,10 @@ def _add_hyperparameters(writer: Any, arch: Architecture, config: dict[str, Any]
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("head_dim") is not None:
+        # Heads wider than hidden_size / heads (Qwen3, Mistral Nemo) need it stated.
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
     rope = _rope_parameters(config)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     kind = str(rope["rope_type"]).lower()

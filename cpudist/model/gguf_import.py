@@ -110,6 +110,10 @@ def _convert(file: Path, target: Path) -> None:
         raise UserError(f"model.path={file}: transformers cannot read its metadata "
                         f"({str(exc).splitlines()[0][:160]})") from None
     config.tie_word_embeddings = "output.weight" not in by_gguf
+    # transformers' GGUF reader leaves head_dim at hidden_size / heads for some architectures
+    # (Qwen3); the file states it where it differs.
+    if (key_length := reader.fields.get(f"{arch_name}.attention.key_length")) is not None:
+        config.head_dim = int(key_length.contents())
     if "rope_freqs.weight" in by_gguf:
         factors = torch.from_numpy(np.array(by_gguf["rope_freqs.weight"].data, dtype=np.float32))
         rope = dict(config.rope_parameters or {})

@@ -15,7 +15,8 @@ from tests.helpers import MODEL_CACHE
 
 # Parameter counts of the published checkpoints (tied embeddings counted once).
 PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512,
-             "llama-3-8b": 8_030_261_248, "mistral-7b": 7_248_023_552}
+             "llama-3-8b": 8_030_261_248, "mistral-7b": 7_248_023_552,
+             "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -27,8 +28,11 @@ def test_presets_are_the_published_architectures(name: str) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
-    if name.startswith("qwen"):  # Qwen2 attention has q/k/v biases
-        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    attention = model.model.layers[0].self_attn
+    if name.startswith("qwen2"):  # Qwen2 attention has q/k/v biases
+        assert attention.q_proj.bias is not None
+    if name.startswith("qwen3"):  # Qwen3 has none, and RMS norms of Q and K per head
+        assert attention.q_proj.bias is None and attention.q_norm.weight.shape == (128,)
 
 
 def test_random_model_is_written_in_shards_one_tensor_at_a_time(tmp_path: Path,

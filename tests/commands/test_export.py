@@ -148,15 +148,15 @@ def test_bad_input_gets_one_line_errors(tiny_llama: Path, tiny_qwen: Path, tmp_p
 
 
 def test_any_gguf_is_a_base_converted_tensor_by_tensor(tiny_qwen: Path, tiny_llama: Path,
-                                                        tmp_path: Path) -> None:
-    """Our own GGUF of each architecture reads back to the original weights (bf16 rounding), and
-    the real llama.cpp-written SmolLM2 Q4_1 file reads back to what transformers' loader makes."""
+                                                        tiny_qwen3: Path, tmp_path: Path) -> None:
+    """Our own GGUF of each architecture reads back to the original weights (bf16 rounding), wide
+    heads (head_dim above hidden_size / heads) included, and the real llama.cpp-written SmolLM2
+    Q4_1 file reads back to what transformers' loader makes."""
     from safetensors.torch import load_file
 
     from cpudist.config import ModelConfig
     from cpudist.model.load import resolve_model_path
-
-    for base_dir in (tiny_llama, tiny_qwen):
+    for base_dir in (tiny_llama, tiny_qwen, tiny_qwen3):
         file = tmp_path / f"{base_dir.name}.gguf"
         assert main(["export", "--base", str(base_dir), "--out", str(file), "--type", "f32"]) == 0
         converted = resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache")))

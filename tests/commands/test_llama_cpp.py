@@ -275,3 +275,27 @@ def test_mistral_with_a_sentencepiece_vocabulary_runs_in_llama_cpp_as_in_transfo
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0].double().numpy()
     assert np.abs(cpp - expected).max() < 0.01 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen3"])
+def test_wide_heads_run_in_llama_cpp_as_in_transformers(kind: str, tokenizer_dir: Path,
+                                                         tmp_path: Path) -> None:
+    """Heads wider than hidden_size / heads (Qwen3, Mistral Nemo: head_dim stated in the config)
+    give llama.cpp transformers' logits; Qwen3's per-head Q/K norms travel too."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import make_tiny_model
+
+    base = make_tiny_model(kind, tokenizer_dir, tmp_path / kind, head_dim=32,  # 64 / 4 heads = 16
+                           initializer_range=0.2)
+    file = tmp_path / f"{kind}.gguf"
+    result = run([*cpudist_cmd(), "export", "--base", base, "--type", "f32", "--out", file])
+    assert result.returncode == 0, result.stderr[-3000:]
+    ids = torch.randint(100, 40000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm = _llama(file)
+    llm.eval(ids)  # type: ignore[attr-defined]
+    cpp = np.asarray(llm.scores[: len(ids)], dtype=np.float64)  # type: ignore[attr-defined]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].double().numpy()
+    assert np.abs(cpp - expected).max() < 0.01 * np.abs(expected).max()
