@@ -30,32 +30,49 @@ def tokenize_conversation(tokenizer: Any, messages: Messages) -> tuple[list, lis
     tokenized one by one split differently at their seams with SentencePiece tokenizers (Llama 2,
     Mistral: "[/INST]Paris" is "]", "P", not "]", "▁P"), and a template that writes the BOS itself
     (Llama 2 and 3, Mistral) got a second one from the tokenizer."""
+    ids, labels, _ = _tokenize_conversation(tokenizer, messages)
+    return ids, labels
+
+
+def _tokenize_conversation(tokenizer: Any, messages: Messages) -> tuple[list, list, bool]:
+    """tokenize_conversation's ids and labels, and whether only the last answer carries loss."""
     if tokenizer.chat_template is None:
         prompt = ALPACA_TEMPLATE.format(
             instruction="\n\n".join(m["content"] for m in messages if m["role"] != "assistant"))
         answer = "\n".join(m["content"] for m in messages if m["role"] == "assistant")
         ids, labels = _label_spans(tokenizer, prompt + answer, [(len(prompt), len(prompt + answer))],
                                    add_special_tokens=True)
-        return ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
+        return ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id], False
 
     def render(upto: int, generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(messages[:upto], tokenize=False,
                                              add_generation_prompt=generation_prompt)
 
+    answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
     spans: list[tuple[int, int]] = []
     done = ""
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
+    for index in answers:
         before = render(index, generation_prompt=True)
         after = render(index + 1, generation_prompt=False)
         if not before.startswith(done) or not after.startswith(before):
-            raise UserError("the tokenizer's chat template does not render conversations as "
-                            "growing prefixes; use data.format=text or a standard chat template")
+            break
         spans.append((len(before), len(after)))
         done = after
+    last_only = len(spans) < len(answers)
+    if last_only:
+        # The template rewrites earlier turns once a later one follows (Qwen3 drops their
+        # reasoning): the answers it renders as the last turn are the ones generation produces,
+        # so the last answer carries loss and the rewritten history is its context.
+        before = render(answers[-1], generation_prompt=True)
+        done = render(answers[-1] + 1, generation_prompt=False)
+        if not done.startswith(before):
+            raise UserError("the tokenizer's chat template does not render a conversation's last "
+                            "answer after its prompt; use data.format=text or a standard chat "
+                            "template")
+        spans = [(len(before), len(done))]
     # As apply_chat_template(tokenize=True): the template writes whatever special tokens it wants.
-    return _label_spans(tokenizer, done, spans, add_special_tokens=False)
+    ids, labels = _label_spans(tokenizer, done, spans, add_special_tokens=False)
+    return ids, labels, last_only
 
 
 def _label_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]], add_special_tokens: bool
@@ -99,13 +116,15 @@ class TokenizeStats:
     samples: int
     truncated: int
     dropped_no_labels: int
+    # Conversations whose template rewrites earlier turns: only their last answer carries loss.
+    last_answer_only: int = 0
 
 
 def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, config: DataConfig,
                      source: str) -> tuple[TokenizedSplit, TokenizeStats]:
     input_ids: list[list[int]] = []
     labels: list[list[int]] = []
-    truncated = dropped = 0
+    truncated = dropped = last_only = 0
     for number, row in enumerate(records, start=1):
         where = f"{source}:{number}" if source.endswith(".jsonl") else f"{source} (record {number})"
         if not isinstance(row, dict):
@@ -116,7 +135,8 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, config: Data
             ids = ids + [tokenizer.eos_token_id]
             row_labels = list(ids)
         else:
-            ids, row_labels = tokenize_conversation(tokenizer, sample)
+            ids, row_labels, rewritten = _tokenize_conversation(tokenizer, sample)
+            last_only += rewritten
         if len(ids) > config.max_length:
             truncated += 1
             ids, row_labels = ids[: config.max_length], row_labels[: config.max_length]
@@ -125,7 +145,7 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, config: Data
             continue
         input_ids.append(ids)
         labels.append(row_labels)
-    return TokenizedSplit(input_ids, labels), TokenizeStats(len(records), truncated, dropped)
+    return TokenizedSplit(input_ids, labels), TokenizeStats(len(records), truncated, dropped, last_only)
 
 
 _PROBE: Messages = [{"role": "user", "content": "Hello, what is 2 + 2?"},
@@ -149,7 +169,7 @@ def _fingerprint(path: Path, config: DataConfig, tokenizer: Any) -> str:
     behaviour = [tokenize_conversation(tokenizer, _PROBE),
                  tokenizer(_PROBE[0]["content"], add_special_tokens=True)["input_ids"]]
     settings = [config.format, config.max_length, config.system_prompt, config.max_samples,
-                tokenizer.chat_template or "", vocab, behaviour, "v3"]
+                tokenizer.chat_template or "", vocab, behaviour, "v4"]
     digest.update(json.dumps(settings).encode())
     return digest.hexdigest()[:16]
 

@@ -52,7 +52,9 @@ def training_data(config: Config, tokenizer: Any) -> Datasets:
     return Datasets(train, val, (
         f"{stats['source']} -> {stats['train']} train / {stats['val']} validation samples; "
         f"{stats['truncated']} of {stats['samples']} truncated to {config.data.max_length} "
-        f"tokens; {stats['dropped_no_labels']} dropped (no answer token left)"))
+        f"tokens; {stats['dropped_no_labels']} dropped (no answer token left)"
+        + (f"; {stats['last_answer_only']} conversations train on their last answer only (the chat "
+           "template rewrites earlier turns)" if stats.get("last_answer_only") else "")))
 
 
 def _run(config: Config, process: Process) -> dict[str, Any] | None:

@@ -173,3 +173,39 @@ def test_a_tokenizer_without_offsets_is_tokenized_piece_by_piece(tokenizer) -> N
             return tokenizer(text, **kwargs)
 
     assert tokenize_conversation(WithoutOffsets(), TWO_TURNS) == tokenize_conversation(tokenizer, TWO_TURNS)
+
+
+# Qwen3's chat template (tools left out): an answer after the last user turn is rendered with its
+# reasoning block, an earlier one without, so a later turn rewrites the earlier ones.
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if message.role == 'user' and ns.last_query_index == messages|length - 1 %}"
+    "{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- if loop.index0 > ns.last_query_index and loop.last %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message.content }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + message.content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_trains_on_the_last_answer(tokenizer) -> None:  # noqa: ANN001
+    """Qwen3 renders an answer differently once a later turn follows: such a conversation is
+    tokenized as the template renders it whole, and only its last answer (the one rendered as
+    generation produces it) carries loss; a one-answer conversation is as before."""
+    from cpudist.data.tokenize import tokenize_conversation
+
+    qwen3 = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    qwen3.chat_template = QWEN3_TEMPLATE
+    ids, labels = tokenize_conversation(qwen3, TWO_TURNS)
+    assert ids == qwen3.apply_chat_template(TWO_TURNS, tokenize=True, return_dict=False)
+    answer = [token for token, label in zip(ids, labels, strict=True) if label != IGNORE]
+    assert _text(qwen3, answer) == "<think>\n\n</think>\n\nMadrid.<|im_end|>\n"
+    rows = [{"messages": TWO_TURNS}, {"messages": TWO_TURNS[:2]}]
+    split, stats = tokenize_records(rows, qwen3, DataConfig(format="chat"), "x.jsonl")
+    assert stats.last_answer_only == 1
+    one = [token for token, label in zip(split.input_ids[1], split.labels[1], strict=True) if label != IGNORE]
+    assert _text(qwen3, one) == "<think>\n\n</think>\n\nParis is the capital.<|im_end|>\n"
