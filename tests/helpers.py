@@ -69,7 +69,7 @@ def chatterbot_lines(language: str, cache_dir: Path) -> list[str]:
 def save_sentencepiece_tokenizer(target: Path, lines: list[str]) -> Path:
     """A real SentencePiece BPE tokenizer as Llama 2 and Mistral 7B have one (byte fallback, split
     digits, "<unk>" "<s>" "</s>" first), trained on lines, saved as transformers saves Llama's
-    (tokenizer.json), plus the sentencepiece model itself as tokenizer.model."""
+    (tokenizer.json); the sentencepiece model itself stays in target/sentencepiece/."""
     import sentencepiece
     from transformers import AutoTokenizer
 

@@ -272,31 +272,42 @@ def _gpt2_pre_tokenizer(tokenizer: Any, model_dir: Path) -> str:
     pre = _PRE_TOKENIZERS.get(digest) or _pre_tokenizer_by_rule(tokenizer)
     if pre is None:
         raise UserError(f"{model_dir}/tokenizer.json: its pre-tokenizer is not one llama.cpp knows for "
-                        f"the supported families (check hash {digest[:16]}); export works for Llama 2/3, "
-                        "Mistral, Qwen2 and SmolLM tokenizers")
+                        f"the supported families (check hash {digest[:16]}); byte-level BPE export "
+                        "works for Llama 3, Qwen2/3 and SmolLM tokenizers")
     return pre
 
 
-def _add_gpt2_vocab(writer: Any, tokenizer: Any, model_dir: Path, vocab_size: int) -> None:
-    """llama.cpp's _set_vocab_gpt2 + get_vocab_base: tokens and types; merges come with SpecialVocab."""
+def _token_table(tokenizer: Any, vocab_size: int, sentencepiece: bool) -> tuple[list[str], list[int]]:
+    """Tokens and llama.cpp token types for every id below vocab_size (llama.cpp's get_vocab_base
+    and _create_vocab_sentencepiece): ids the tokenizer lacks are unused [PADn] pieces; a
+    SentencePiece vocabulary also types its unknown piece and its <0xNN> byte pieces."""
     import gguf
 
-    pre = _gpt2_pre_tokenizer(tokenizer, model_dir)
     reverse = {index: token for token, index in tokenizer.get_vocab().items()}
     added = tokenizer.added_tokens_decoder
     tokens: list[str] = []
     types: list[int] = []
     for index in range(vocab_size):
         token = reverse.get(index)
+        tokens.append(f"[PAD{index}]" if token is None else token)
         if token is None:
-            tokens.append(f"[PAD{index}]")
             types.append(gguf.TokenType.UNUSED)
+        elif sentencepiece and index == tokenizer.unk_token_id:
+            types.append(gguf.TokenType.UNKNOWN)
         elif index in added:
-            tokens.append(token)
             types.append(gguf.TokenType.CONTROL if added[index].special else gguf.TokenType.USER_DEFINED)
+        elif sentencepiece and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            types.append(gguf.TokenType.BYTE)
         else:
-            tokens.append(token)
             types.append(gguf.TokenType.NORMAL)
+    return tokens, types
+
+
+def _add_gpt2_vocab(writer: Any, tokenizer: Any, model_dir: Path, vocab_size: int) -> None:
+    """llama.cpp's _set_vocab_gpt2: tokens, types and the pre-tokenizer; merges come with
+    SpecialVocab."""
+    pre = _gpt2_pre_tokenizer(tokenizer, model_dir)
+    tokens, types = _token_table(tokenizer, vocab_size, sentencepiece=False)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -320,38 +331,17 @@ def _add_sentencepiece_vocab(writer: Any, tokenizer: Any, spec: dict[str, Any], 
 
     llama.cpp's tokenizer joins the adjacent pair whose joined piece scores highest; the BPE of
     tokenizer.json applies the merge of lowest rank. Scoring each piece minus the rank of the first
-    merge that makes it orders both alike, so llama.cpp splits text as transformers does. (llama.cpp's
+    merge that makes it orders both alike, so llama.cpp splits text as sentencepiece does. (llama.cpp's
     converter reads sentencepiece's scores from tokenizer.model where there is one, and without one
     scores every piece -1000, which splits differently; tokenizer.json is always there.)"""
-    import gguf
-
     merges = spec["model"].get("merges") or []
     rank: dict[str, int] = {}
     for index, merge in enumerate(merges):
         left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
         rank.setdefault(left + right, index)
-    reverse = {index: token for token, index in tokenizer.get_vocab().items()}
-    added = tokenizer.added_tokens_decoder
-    tokens: list[str] = []
-    scores: list[float] = []
-    types: list[int] = []
-    for index in range(vocab_size):
-        token = reverse.get(index)
-        # Pieces no merge makes (single characters, bytes, specials) never win a join; they sort last.
-        scores.append(-float(rank.get(token, len(merges) + index)) if token is not None else -1e4)
-        if token is None:
-            tokens.append(f"[PAD{index}]")
-            types.append(gguf.TokenType.UNUSED)
-            continue
-        tokens.append(token)
-        if index == tokenizer.unk_token_id:
-            types.append(gguf.TokenType.UNKNOWN)
-        elif index in added:
-            types.append(gguf.TokenType.CONTROL if added[index].special else gguf.TokenType.USER_DEFINED)
-        elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
-            types.append(gguf.TokenType.BYTE)
-        else:
-            types.append(gguf.TokenType.NORMAL)
+    tokens, types = _token_table(tokenizer, vocab_size, sentencepiece=True)
+    # Pieces no merge makes (single characters, bytes, specials) never win a join: they sort last.
+    scores = [-float(rank.get(token, len(merges) + index)) for index, token in enumerate(tokens)]
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
