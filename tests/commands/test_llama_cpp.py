@@ -66,6 +66,19 @@ def _llama(path: Path, lora: Path | None = None) -> object:
                            logits_all=True, n_threads=2, verbose=False, seed=0)
 
 
+def _cpp_logits(llm: object, ids: list[int]) -> np.ndarray:
+    llm.eval(ids)  # type: ignore[attr-defined]
+    return np.asarray(llm.scores[: len(ids)], dtype=np.float64)  # type: ignore[attr-defined]
+
+
+def _transformers_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
 def _logprobs(llm: object, ids: list[int]) -> np.ndarray:
     """log p(ids[i] | ids[:i]) for i >= 1, from llama.cpp's logits."""
     llm.reset()  # type: ignore[attr-defined]
@@ -191,8 +204,6 @@ def test_llama3_rope_scaling_runs_in_llama_cpp_as_in_transformers(tokenizer_dir:
                                                                     tmp_path: Path) -> None:
     """A Llama 3.1-style model (rope scaling written as llama.cpp's rope_freqs tensor) gives
     llama.cpp the logits transformers computes; without the scaling they would differ."""
-    from transformers import AutoModelForCausalLM
-
     from tests.commands.test_export import LLAMA31_ROPE
     from tests.helpers import make_tiny_model
 
@@ -207,17 +218,9 @@ def test_llama3_rope_scaling_runs_in_llama_cpp_as_in_transformers(tokenizer_dir:
     result = run([*cpudist_cmd(), "export", "--base", scaled, "--type", "f32", "--out", file])
     assert result.returncode == 0, result.stderr[-3000:]
     ids = torch.randint(100, 40000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
-
-    def transformers_logits(model_dir: Path) -> np.ndarray:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        with torch.no_grad():
-            return model(torch.tensor([ids])).logits[0].double().numpy()
-
-    llm = _llama(file)
-    llm.eval(ids)  # type: ignore[attr-defined]
-    cpp = np.asarray(llm.scores[: len(ids)], dtype=np.float64)  # type: ignore[attr-defined]
-    error = np.abs(cpp - transformers_logits(scaled)).max()
-    unscaled = np.abs(cpp - transformers_logits(plain)).max()
+    cpp = _cpp_logits(_llama(file), ids)
+    error = np.abs(cpp - _transformers_logits(scaled, ids)).max()
+    unscaled = np.abs(cpp - _transformers_logits(plain, ids)).max()
     assert error < 0.02 * np.abs(cpp).max(), (error, np.abs(cpp).max())
     assert unscaled > 10 * error, (unscaled, error)
 
@@ -236,7 +239,7 @@ def test_mistral_with_a_sentencepiece_vocabulary_runs_in_llama_cpp_as_in_transfo
     differently."""
     import gguf
     import sentencepiece
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from cpudist.cli import main
     from tests.helpers import chatterbot_lines, make_tiny_model
@@ -269,12 +272,8 @@ def test_mistral_with_a_sentencepiece_vocabulary_runs_in_llama_cpp_as_in_transfo
     tokenizer = AutoTokenizer.from_pretrained(base)
     ids = tokenizer("What is your favourite colour? Tell me why.").input_ids
     assert ids == llm.tokenize(b"What is your favourite colour? Tell me why.")  # type: ignore[attr-defined]
-    llm.eval(ids)  # type: ignore[attr-defined]
-    cpp = np.asarray(llm.scores[: len(ids)], dtype=np.float64)  # type: ignore[attr-defined]
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = model(torch.tensor([ids])).logits[0].double().numpy()
-    assert np.abs(cpp - expected).max() < 0.01 * np.abs(expected).max()
+    expected = _transformers_logits(base, ids)
+    assert np.abs(_cpp_logits(llm, ids) - expected).max() < 0.01 * np.abs(expected).max()
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen3"])
@@ -282,8 +281,6 @@ def test_wide_heads_run_in_llama_cpp_as_in_transformers(kind: str, tokenizer_dir
                                                          tmp_path: Path) -> None:
     """Heads wider than hidden_size / heads (Qwen3, Mistral Nemo: head_dim stated in the config)
     give llama.cpp transformers' logits; Qwen3's per-head Q/K norms travel too."""
-    from transformers import AutoModelForCausalLM
-
     from tests.helpers import make_tiny_model
 
     base = make_tiny_model(kind, tokenizer_dir, tmp_path / kind, head_dim=32,  # 64 / 4 heads = 16
@@ -292,10 +289,5 @@ def test_wide_heads_run_in_llama_cpp_as_in_transformers(kind: str, tokenizer_dir
     result = run([*cpudist_cmd(), "export", "--base", base, "--type", "f32", "--out", file])
     assert result.returncode == 0, result.stderr[-3000:]
     ids = torch.randint(100, 40000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
-    llm = _llama(file)
-    llm.eval(ids)  # type: ignore[attr-defined]
-    cpp = np.asarray(llm.scores[: len(ids)], dtype=np.float64)  # type: ignore[attr-defined]
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = model(torch.tensor([ids])).logits[0].double().numpy()
-    assert np.abs(cpp - expected).max() < 0.01 * np.abs(expected).max()
+    expected = _transformers_logits(base, ids)
+    assert np.abs(_cpp_logits(_llama(file), ids) - expected).max() < 0.01 * np.abs(expected).max()
