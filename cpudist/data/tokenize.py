@@ -45,8 +45,15 @@ def _tokenize_conversation(tokenizer: Any, messages: Messages) -> tuple[list, li
         return ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id], False
 
     def render(upto: int, generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(messages[:upto], tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+        from jinja2 import TemplateError
+
+        try:
+            return tokenizer.apply_chat_template(messages[:upto], tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
+        except TemplateError as exc:  # the template's own raise_exception(...) among them
+            raise UserError(f"the tokenizer's chat template refused this conversation ({exc}); give "
+                            "it the roles it takes (some templates take no system turn, or need user "
+                            "and assistant turns to alternate)") from None
 
     answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
     spans: list[tuple[int, int]] = []
@@ -135,7 +142,10 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, config: Data
             ids = ids + [tokenizer.eos_token_id]
             row_labels = list(ids)
         else:
-            ids, row_labels, rewritten = _tokenize_conversation(tokenizer, sample)
+            try:
+                ids, row_labels, rewritten = _tokenize_conversation(tokenizer, sample)
+            except UserError as exc:
+                raise UserError(f"{where}: {exc}") from None
             last_only += rewritten
         if len(ids) > config.max_length:
             truncated += 1

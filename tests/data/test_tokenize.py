@@ -209,3 +209,21 @@ def test_a_template_that_rewrites_earlier_turns_trains_on_the_last_answer(tokeni
     assert stats.last_answer_only == 1
     one = [token for token, label in zip(split.input_ids[1], split.labels[1], strict=True) if label != IGNORE]
     assert _text(qwen3, one) == "<think>\n\n</think>\n\nParis is the capital.<|im_end|>\n"
+
+
+def test_a_conversation_the_template_refuses_is_a_one_line_error_naming_the_record(
+        tokenizer) -> None:  # noqa: ANN001
+    from cpudist.errors import UserError
+
+    strict = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    strict.chat_template = (  # Mistral v0.1's check: user and assistant alternate, nothing else
+        "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{% endif %}{{ message['content'] }}{% endfor %}")
+    good = {"messages": TWO_TURNS[:2]}
+    with_system = {"messages": [{"role": "system", "content": "Be brief."}, *TWO_TURNS[:2]]}
+    with pytest.raises(UserError) as error:
+        tokenize_records([good, with_system], strict, DataConfig(format="chat"), "data.jsonl")
+    message = str(error.value)
+    assert message.startswith("data.jsonl:2: the tokenizer's chat template refused")
+    assert "Conversation roles must alternate" in message and "\n" not in message
