@@ -60,9 +60,28 @@ def _gemm_shape(name: str, shapes: list[list[int]]) -> tuple[int, int, int, int]
     return None
 
 
-def profile_step(run_step: Callable[[], Any]) -> dict[str, Any]:
+def gemm_roles(model: Any) -> Callable[[int, int, int, int], str]:
+    """What a matmul of a given (batch, m, k, n) is in this peft model's step: the LM head has the
+    vocabulary as one side, LoRA's matmuls a rank (or q/k/v's or gate/up's ranks side by side)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    ranks = {layer.out_features for module in model.modules()
+             for layer in getattr(module, "lora_A", {}).values() if hasattr(layer, "out_features")}
+    lora_sides = {times * rank for rank in ranks for times in (1, 2, 3)}
+
+    def role(batch: int, m: int, k: int, n: int) -> str:
+        if batch > 1:
+            return "batched"
+        if vocab in (m, k, n):
+            return "LM head"
+        return "LoRA" if min(m, k, n) in lora_sides else "frozen linear"
+
+    return role
+
+
+def profile_step(run_step: Callable[[], Any],
+                 role: Callable[[int, int, int, int], str] | None = None) -> dict[str, Any]:
     """Run one step under the profiler; {category: ms}, the step's wall ms, the top ops and the
-    GEMM shapes that took the most time."""
+    GEMM shapes that took the most time (with what each is, where role says: gemm_roles)."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
@@ -102,7 +121,8 @@ def profile_step(run_step: Callable[[], Any]) -> dict[str, Any]:
     # most the wall time; what is left is Python between the ops.
     totals["python / framework"] += max(0.0, wall_ms - counted)
     top = sorted(by_op.items(), key=lambda item: -item[1])[:15]
-    shapes = [{"batch": b, "m": m, "k": k, "n": n, "calls": int(calls), "ms": ms,
+    shapes = [{"role": role(b, m, k, n) if role else "", "batch": b, "m": m, "k": k, "n": n,
+               "calls": int(calls), "ms": ms,
                "tflops": 2 * b * m * k * n * calls / (ms / 1e3) / 1e12 if ms > 0 else 0.0}
               for (b, m, k, n), (calls, ms) in sorted(by_shape.items(), key=lambda item: -item[1][1])]
     return {"wall_ms": wall_ms, "categories_ms": totals, "top_ops_ms": dict(top),
@@ -128,10 +148,10 @@ def profile_table(profile: dict[str, Any], peak_tflops: float | None = None) -> 
     shapes = profile.get("gemm_shapes") or []
     if shapes:
         peak = f" (GEMM peak {peak_tflops * 1000:.0f} GFLOP/s)" if peak_tflops else ""
-        lines += ["", f"| GEMM shape, batch x m x k x n | calls | ms | GFLOP/s{peak} |",
-                  "|---|---:|---:|---:|"]
+        lines += ["", f"| GEMM shape, batch x m x k x n | what | calls | ms | GFLOP/s{peak} |",
+                  "|---|---|---:|---:|---:|"]
         for g in shapes:
             share = f" ({100 * g['tflops'] / peak_tflops:.0f} %)" if peak_tflops else ""
-            lines.append(f"| {g['batch']} x {g['m']} x {g['k']} x {g['n']} | {g['calls']} | "
-                         f"{g['ms']:.0f} | {g['tflops'] * 1000:.0f}{share} |")
+            lines.append(f"| {g['batch']} x {g['m']} x {g['k']} x {g['n']} | {g.get('role', '')} | "
+                         f"{g['calls']} | {g['ms']:.0f} | {g['tflops'] * 1000:.0f}{share} |")
     return "\n".join(lines)

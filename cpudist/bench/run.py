@@ -109,7 +109,7 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
     peaks.append(peak())
     profile = None
     if args.profile:
-        from cpudist.bench.profile import profile_step
+        from cpudist.bench.profile import gemm_roles, profile_step
 
         epoch, index = bench_step_position(total_steps - 1, args.warmup,
                                            engine.batches.steps_per_epoch)
@@ -117,7 +117,7 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> dict[str, Any] 
         barrier(placement)
         started = time.perf_counter()
         engine.comm.take()
-        profile = profile_step(lambda: engine.step(micro))
+        profile = profile_step(lambda: engine.step(micro), gemm_roles(engine.model))
         # The same wait and exposed communication as the timed steps' (comm.step_figures).
         profile["communication"] = step_figures(all_gather(engine.comm.take(started), placement))
     pad_cells, pad_real = allreduce([float(sum(b.input_ids.numel() for b in timed_batches)),

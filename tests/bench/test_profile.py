@@ -3,9 +3,11 @@ shape with the rate each shape ran at."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from cpudist.bench.profile import CATEGORIES, profile_step, profile_table
+from cpudist.bench.profile import CATEGORIES, gemm_roles, profile_step, profile_table
 
 
 def test_a_step_is_split_by_category_and_gemm_shape() -> None:
@@ -25,7 +27,7 @@ def test_a_step_is_split_by_category_and_gemm_shape() -> None:
         torch.relu(x)
         x.to(torch.float64)
 
-    profile = profile_step(step)
+    profile = profile_step(step, lambda batch, m, k, n: "frozen linear" if batch == 1 else "batched")
     categories = profile["categories_ms"]
     assert list(categories) == list(CATEGORIES)
     for name in ("GEMM", "attention", "element-wise", "casts"):
@@ -42,4 +44,20 @@ def test_a_step_is_split_by_category_and_gemm_shape() -> None:
     assert ms == sorted(ms, reverse=True)
 
     table = profile_table(profile, peak_tflops=2 * big["tflops"])
-    assert "| 1 x 256 x 128 x 192 | 3 |" in table and "(50 %)" in table
+    assert "| 1 x 256 x 128 x 192 | frozen linear | 3 |" in table and "(50 %)" in table
+
+
+def test_gemm_roles_tell_the_head_lora_and_frozen_matmuls_apart(tiny_qwen: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_qwen),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"]))
+    role = gemm_roles(model)
+    vocab, tokens = model.config.vocab_size, 48
+    assert role(1, tokens, 64, vocab) == "LM head"
+    assert role(1, tokens, 4, 64) == "LoRA"  # B: rank -> out
+    assert role(1, 64, tokens, 4) == "LoRA"  # A's gradient
+    assert role(1, tokens, 64, 12) == "LoRA"  # q/k/v's three A matrices in one GEMM
+    assert role(1, tokens, 64, 128) == "frozen linear"
+    assert role(2, 16, 8, 16) == "batched"
