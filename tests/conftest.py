@@ -57,6 +57,11 @@ def tiny_qwen(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="session")
+def tiny_mistral(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("mistral", tokenizer_dir, tmp_path_factory.mktemp("tiny-mistral"))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3: Q/K norms per head, and heads wider than hidden_size / heads, as the real ones."""
     return make_tiny_model("qwen3", tokenizer_dir, tmp_path_factory.mktemp("tiny-qwen3"), head_dim=32)
