@@ -229,8 +229,8 @@ def _add_hyperparameters(writer: Any, arch: Architecture, config: dict[str, Any]
         writer.add_rope_dimension_count(_head_dim(config))
 
 
-def _pre_tokenizer_by_rule(tokenizer: Any) -> str | None:
-    rule = json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
+def _pre_tokenizer_by_rule(spec: dict[str, Any]) -> str | None:
+    rule = spec.get("pre_tokenizer") or {}
     steps = rule.get("pretokenizers", [rule])
     if len(steps) == 1 and steps[0].get("type") == "ByteLevel" and steps[0].get("use_regex"):
         return "gpt-2"
@@ -242,7 +242,8 @@ def _add_tokenizer(writer: Any, model_dir: Path, vocab_size: int) -> None:
     """The base's vocabulary, special tokens and chat template, so llama.cpp's chat mode needs no
     extra flags. tokenizer.json decides the kind, as in llama.cpp's LlamaModel.set_vocab: a BPE
     with byte fallback is a SentencePiece vocabulary (Llama 2, Mistral, and what transformers makes
-    of such a GGUF), anything else a GPT-2-style byte-level BPE (Llama 3, Qwen2, SmolLM)."""
+    of such a GGUF), anything else a GPT-2-style byte-level BPE (Llama 3, Qwen2/3,
+    SmolLM)."""
     import gguf
     from transformers import AutoTokenizer
 
@@ -255,7 +256,7 @@ def _add_tokenizer(writer: Any, model_dir: Path, vocab_size: int) -> None:
     if sentencepiece:
         _add_sentencepiece_vocab(writer, tokenizer, spec, vocab_size)
     else:
-        _add_gpt2_vocab(writer, tokenizer, model_dir, vocab_size)
+        _add_gpt2_vocab(writer, tokenizer, spec, model_dir, vocab_size)
     # llama.cpp's converters load merges for the GPT-2 kind only; its SentencePiece tokenizer ranks
     # by the scores written above.
     special = gguf.SpecialVocab(model_dir, load_merges=not sentencepiece, n_vocab=vocab_size)
@@ -267,9 +268,9 @@ def _add_tokenizer(writer: Any, model_dir: Path, vocab_size: int) -> None:
     special.add_to_gguf(writer, quiet=True)
 
 
-def _gpt2_pre_tokenizer(tokenizer: Any, model_dir: Path) -> str:
+def _gpt2_pre_tokenizer(tokenizer: Any, spec: dict[str, Any], model_dir: Path) -> str:
     digest = sha256(str(tokenizer.encode(_CHECK_TEXT)).encode()).hexdigest()
-    pre = _PRE_TOKENIZERS.get(digest) or _pre_tokenizer_by_rule(tokenizer)
+    pre = _PRE_TOKENIZERS.get(digest) or _pre_tokenizer_by_rule(spec)
     if pre is None:
         raise UserError(f"{model_dir}/tokenizer.json: its pre-tokenizer is not one llama.cpp knows for "
                         f"the supported families (check hash {digest[:16]}); byte-level BPE export "
@@ -303,10 +304,11 @@ def _token_table(tokenizer: Any, vocab_size: int, sentencepiece: bool) -> tuple[
     return tokens, types
 
 
-def _add_gpt2_vocab(writer: Any, tokenizer: Any, model_dir: Path, vocab_size: int) -> None:
+def _add_gpt2_vocab(writer: Any, tokenizer: Any, spec: dict[str, Any], model_dir: Path,
+                    vocab_size: int) -> None:
     """llama.cpp's _set_vocab_gpt2: tokens, types and the pre-tokenizer; merges come with
     SpecialVocab."""
-    pre = _gpt2_pre_tokenizer(tokenizer, model_dir)
+    pre = _gpt2_pre_tokenizer(tokenizer, spec, model_dir)
     tokens, types = _token_table(tokenizer, vocab_size, sentencepiece=False)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
