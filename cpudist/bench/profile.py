@@ -78,10 +78,10 @@ def gemm_roles(model: Any) -> Callable[[int, int, int, int], str]:
     return role
 
 
-def profile_step(run_step: Callable[[], Any],
-                 role: Callable[[int, int, int, int], str] | None = None) -> dict[str, Any]:
+def profile_step(run_step: Callable[[], Any], role: Callable[[int, int, int, int], str]
+                 ) -> dict[str, Any]:
     """Run one step under the profiler; {category: ms}, the step's wall ms, the top ops and the
-    GEMM shapes that took the most time (with what each is, where role says: gemm_roles)."""
+    GEMM shapes that took the most time, with what each is (role: gemm_roles)."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
@@ -121,7 +121,7 @@ def profile_step(run_step: Callable[[], Any],
     # most the wall time; what is left is Python between the ops.
     totals["python / framework"] += max(0.0, wall_ms - counted)
     top = sorted(by_op.items(), key=lambda item: -item[1])[:15]
-    shapes = [{"role": role(b, m, k, n) if role else "", "batch": b, "m": m, "k": k, "n": n,
+    shapes = [{"role": role(b, m, k, n), "batch": b, "m": m, "k": k, "n": n,
                "calls": int(calls), "ms": ms,
                "tflops": 2 * b * m * k * n * calls / (ms / 1e3) / 1e12 if ms > 0 else 0.0}
               for (b, m, k, n), (calls, ms) in sorted(by_shape.items(), key=lambda item: -item[1][1])]
@@ -152,6 +152,6 @@ def profile_table(profile: dict[str, Any], peak_tflops: float | None = None) -> 
                   "|---|---|---:|---:|---:|"]
         for g in shapes:
             share = f" ({100 * g['tflops'] / peak_tflops:.0f} %)" if peak_tflops else ""
-            lines.append(f"| {g['batch']} x {g['m']} x {g['k']} x {g['n']} | {g.get('role', '')} | "
+            lines.append(f"| {g['batch']} x {g['m']} x {g['k']} x {g['n']} | {g['role']} | "
                          f"{g['calls']} | {g['ms']:.0f} | {g['tflops'] * 1000:.0f}{share} |")
     return "\n".join(lines)

@@ -124,7 +124,7 @@ class TokenizeStats:
     truncated: int
     dropped_no_labels: int
     # Conversations whose template rewrites earlier turns: only their last answer carries loss.
-    last_answer_only: int = 0
+    last_answer_only: int
 
 
 def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, config: DataConfig,

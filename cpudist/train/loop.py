@@ -54,7 +54,7 @@ def training_data(config: Config, tokenizer: Any) -> Datasets:
         f"{stats['truncated']} of {stats['samples']} truncated to {config.data.max_length} "
         f"tokens; {stats['dropped_no_labels']} dropped (no answer token left)"
         + (f"; {stats['last_answer_only']} conversations train on their last answer only (the chat "
-           "template rewrites earlier turns)" if stats.get("last_answer_only") else "")))
+           "template rewrites earlier turns)" if stats["last_answer_only"] else "")))
 
 
 def _run(config: Config, process: Process) -> dict[str, Any] | None:
