@@ -94,19 +94,10 @@ def chat_rows() -> list[dict]:
 
 
 def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path, **sizes: object) -> Path:
-    """A random-weight causal LM of a real architecture, saved with a real tokenizer; sizes
-    overrides the config's (hidden_size=..., num_hidden_layers=..., rope_parameters=...)."""
-    from transformers import (
-        AutoTokenizer,
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    """A random-weight causal LM of a real architecture (kind: its transformers model type, such as
+    llama, mistral, qwen2, qwen3), saved with a real tokenizer; sizes overrides the config's
+    (hidden_size=..., num_hidden_layers=..., rope_parameters=...)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -115,14 +106,7 @@ def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path, **sizes: objec
                   eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
     common.update(sizes)
     torch.manual_seed(0)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif kind == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common))
-    elif kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **common))
     model.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
     return target
