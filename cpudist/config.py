@@ -31,7 +31,9 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = False
     # Map frozen base weights read-only from one safetensors file shared by all ranks of a node.
     share_frozen_weights: bool = True
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    # auto: sdpa (PyTorch's fused CPU attention) where the architecture has it, else eager
+    # (Gemma 2: its attention-logit soft-capping exists only in the eager path).
+    attn_implementation: Literal["auto", "sdpa", "eager"] = "auto"
     # Frozen decoder linear weights stored quantized (QLoRA), mapped from a per-node cache under
     # cache_dir: none | int8 (a scale per row) | int4 (a scale per quantize_group input columns).
     # The names are those of cpudist.model.quantize.METHODS.

@@ -90,9 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     if config.dist.threads_per_rank:
         torch.set_num_threads(config.dist.threads_per_rank)
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     from cpudist.bench.figures import GemmPeak, flop_model, model_gemm_shapes
+    from cpudist.model.load import attention_implementation
     from cpudist.runtime.allocator import in_use as allocator_in_use
     from cpudist.runtime.memory import PssSampler, peak_rss_gb
     from cpudist.runtime.precision import choose_precision
@@ -105,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer.pad_token = tokenizer.eos_token
     loading = time.perf_counter()
     quantization = quantization_config(config.model.quantize, precision.compute_dtype)
+    attention = attention_implementation(config.model.attn_implementation,
+                                         AutoConfig.from_pretrained(config.model.path))
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=precision.compute_dtype,
-                                                 attn_implementation=config.model.attn_implementation,
+                                                 attn_implementation=attention,
                                                  quantization_config=quantization)
     model.config.use_cache = False
     if quantization is not None:

@@ -103,6 +103,22 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
     return tokenizer
 
 
+def attention_implementation(requested: str, hf_config: Any) -> str:
+    """model.attn_implementation resolved for this architecture: auto is sdpa where the model
+    class supports it, else eager (the one path every transformers model has)."""
+    if requested != "auto":
+        return requested
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    # Custom-code models are not in the mapping: they keep sdpa, as before there was auto.
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+    chosen = "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+    if chosen == "eager":
+        log.info("attention: eager (%s has no SDPA path in transformers)",
+                 model_class.__name__ if model_class else type(hf_config).__name__)
+    return chosen
+
+
 def load_base_model(config: ModelConfig, path: Path, precision: Precision,
                     map_weights: bool = False) -> nn.Module:
     """The frozen base model, its weights stored in precision.frozen_dtype.
@@ -115,11 +131,12 @@ def load_base_model(config: ModelConfig, path: Path, precision: Precision,
 
     dtype = precision.frozen_dtype
     cache_dir = Path(config.cache_dir).expanduser()
-    options = dict(trust_remote_code=config.trust_remote_code,
-                   attn_implementation=config.attn_implementation)
     mapped = None
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        options = dict(trust_remote_code=config.trust_remote_code,
+                       attn_implementation=attention_implementation(config.attn_implementation,
+                                                                    hf_config))
         if config.quantize != "none":
             return _load_quantized(config, path, hf_config, precision, cache_dir, options)
         if map_weights:

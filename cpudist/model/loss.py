@@ -30,7 +30,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, chunk: int) -> torch.Tensor:
+                targets: torch.Tensor, chunk: int, softcap: float | None = None) -> torch.Tensor:
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
         # Two vocabulary-wide buffers serve every chunk (logits for the chunk, fp32 for a few of
@@ -40,10 +40,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         width, vocab = min(chunk, hidden.shape[0]), weight.shape[0]
         logits_buffer = torch.empty((width, vocab), dtype=weight.dtype)
         # An fp32 head works on its logits in place: there is no copy to keep small, so it takes
-        # the whole chunk at once, as it was measured.
+        # the whole chunk at once, as it was measured (unless soft-capping needs a second buffer).
         in_place = weight.dtype == torch.float32
-        rows_fp32 = width if in_place else min(width, softmax_rows())
+        rows_fp32 = width if in_place and not softcap else min(width, softmax_rows())
         fp32_buffer = None if in_place else torch.empty((rows_fp32, vocab), dtype=torch.float32)
+        # Soft-capped logits (Gemma 2): cap * tanh(z / cap); the tanh is kept for the chain rule.
+        tanh_buffer = torch.empty((rows_fp32, vocab), dtype=torch.float32) if softcap else None
         for start in range(0, hidden.shape[0], chunk):
             rows = hidden[start : start + chunk].to(weight.dtype)
             target = targets[start : start + chunk]
@@ -59,12 +61,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 part_target = target[first : first + rows_fp32]
                 # log-probabilities in fp32, in place (the softmax reads a row before writing it).
                 logp = part if fp32_buffer is None else fp32_buffer[: part.shape[0]].copy_(part)
+                if tanh_buffer is not None:
+                    squashed = torch.div(logp, softcap, out=tanh_buffer[: part.shape[0]]).tanh_()
+                    torch.mul(squashed, softcap, out=logp)
                 torch.log_softmax(logp, dim=-1, out=logp)
                 total -= logp.gather(1, part_target[:, None]).sum()
                 if grad_hidden is not None:
                     # d(CE)/d(logits) = softmax - one_hot, then back through the frozen head.
                     probs = logp.exp_()
                     probs[torch.arange(part_target.shape[0]), part_target] -= 1.0
+                    if tanh_buffer is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
+                        probs.mul_(squashed.square_().neg_().add_(1.0))
                     if probs is not part:
                         part.copy_(probs)
             if grad_hidden is not None:
@@ -80,7 +87,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_hidden,) = ctx.saved_tensors
         grad = None if grad_hidden is None else grad_hidden * grad_output.to(grad_hidden.dtype)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def label_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,8 +100,9 @@ def label_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def chunked_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
-                    chunk: int) -> tuple[torch.Tensor, int]:
-    """(sum of token losses, number of label tokens) from final hidden states."""
+                    chunk: int, softcap: float | None = None) -> tuple[torch.Tensor, int]:
+    """(sum of token losses, number of label tokens) from final hidden states; softcap: the
+    model's final_logit_softcapping (logits become softcap * tanh(logits / softcap))."""
     flat_index, targets = label_positions(labels)
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_index)
     if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
@@ -102,9 +110,11 @@ def chunked_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
         total = torch.zeros((), dtype=torch.float32)
         for start in range(0, rows.shape[0], chunk):
             logits = head(rows[start : start + chunk]).float()
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
             total = total + F.cross_entropy(logits, targets[start : start + chunk], reduction="sum")
         return total, int(targets.numel())
-    total = _ChunkedLinearCrossEntropy.apply(rows, head.weight, head.bias, targets, chunk)
+    total = _ChunkedLinearCrossEntropy.apply(rows, head.weight, head.bias, targets, chunk, softcap)
     return total, int(targets.numel())
 
 
@@ -138,10 +148,10 @@ class CausalLMLoss(nn.Module):
         self.chunk_size = chunk_size
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = base.config
-        # Heads that post-process logits (soft-capping, scaling) need the full model path.
-        self.chunked = chunk_size > 0 and not any(
-            getattr(config, attr, None) for attr in ("final_logit_softcapping", "logit_scale")
-        )
+        # Soft-capping (Gemma 2) is done chunk by chunk; other heads that post-process logits
+        # (Cohere's logit_scale) take the full model path.
+        self.softcap = getattr(config, "final_logit_softcapping", None) or None
+        self.chunked = chunk_size > 0 and not getattr(config, "logit_scale", None)
         self.decoder = base.get_decoder()
         self.head = base.get_output_embeddings()
 
@@ -159,5 +169,5 @@ class CausalLMLoss(nn.Module):
             return total, torch.tensor(count)
         hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=position_ids).last_hidden_state
-        total, count = chunked_lm_loss(hidden, self.head, labels, self.chunk_size)
+        total, count = chunked_lm_loss(hidden, self.head, labels, self.chunk_size, self.softcap)
         return total, torch.tensor(count)

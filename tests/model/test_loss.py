@@ -15,7 +15,7 @@ from cpudist.model.loss import CausalLMLoss, packed_attention_mask
 from tests.helpers import grad_atol, lora_model, loss_and_grads, random_split
 
 
-@pytest.mark.parametrize("kind", ["tiny_qwen", "tiny_llama"])
+@pytest.mark.parametrize("kind", ["tiny_qwen", "tiny_llama", "tiny_gemma2"])
 def test_chunked_label_only_loss_equals_full_logits(kind: str, request: pytest.FixtureRequest,
                                                      tmp_path: Path) -> None:
     model = lora_model(request.getfixturevalue(kind), tmp_path)
@@ -30,10 +30,12 @@ def test_chunked_label_only_loss_equals_full_logits(kind: str, request: pytest.F
         torch.testing.assert_close(chunked[2][name], grad, rtol=1e-4, atol=grad_atol(grad), msg=name)
 
 
-def test_chunked_loss_in_bf16_matches_the_full_logits_path(tiny_qwen: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["tiny_qwen", "tiny_gemma2"])
+def test_chunked_loss_in_bf16_matches_the_full_logits_path(kind: str, request: pytest.FixtureRequest,
+                                                           tmp_path: Path) -> None:
     # bf16 weights under autocast (the path taken on AVX512-BF16/AMX CPUs): both paths round the
     # logits to bf16 and the logit gradient to bf16 before the head's matmul, in other orders.
-    model = lora_model(tiny_qwen, tmp_path, dtype="bfloat16")
+    model = lora_model(request.getfixturevalue(kind), tmp_path, dtype="bfloat16")
     batch = collate(random_split([17, 9, 23], model.config.vocab_size), [0, 1, 2], pad_id=0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         full = loss_and_grads(CausalLMLoss(model, chunk_size=0), batch)
@@ -43,6 +45,21 @@ def test_chunked_loss_in_bf16_matches_the_full_logits_path(tiny_qwen: Path, tmp_
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(chunked[2][name], grad, rtol=2e-2, atol=2e-2 * float(grad.abs().max()),
                                    msg=name)
+
+
+def test_soft_capped_head_is_chunked_and_the_cap_matters(tiny_gemma2: Path, tmp_path: Path) -> None:
+    # Gemma 2's final_logit_softcapping is applied chunk by chunk (no full-vocabulary logits);
+    # the same loss without the cap differs, so the equality above is about the cap.
+    model = lora_model(tiny_gemma2, tmp_path)
+    loss = CausalLMLoss(model, chunk_size=5)
+    assert loss.chunked and loss.softcap == 0.05
+    batch = collate(random_split([17, 9], model.config.vocab_size), [0, 1], pad_id=0)
+    _, _, capped = loss_and_grads(loss, batch)
+    loss.softcap = None
+    _, _, plain = loss_and_grads(loss, batch)
+    # A random model's loss is near ln(vocab) either way; its gradients are not.
+    for name, grad in plain.items():
+        assert (capped[name] - grad).abs().max() > 0.1 * grad.abs().max(), name
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64])
