@@ -68,11 +68,22 @@ def tiny_qwen3(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("gemma", tokenizer_dir, tmp_path_factory.mktemp("tiny-gemma"), head_dim=16)
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma2(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Gemma 2: soft-capped logits (a cap this small bends a random model's logits), eager-only
     attention, norms of (1 + weight), post-norms; query_pre_attn_scalar as llama.cpp assumes."""
     return make_tiny_model("gemma2", tokenizer_dir, tmp_path_factory.mktemp("tiny-gemma2"),
                            head_dim=16, query_pre_attn_scalar=16, final_logit_softcapping=0.05)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("gemma3_text", tokenizer_dir, tmp_path_factory.mktemp("tiny-gemma3"),
+                           head_dim=16, query_pre_attn_scalar=16)
 
 
 @pytest.fixture

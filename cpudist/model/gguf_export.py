@@ -1,5 +1,6 @@
 """GGUF files that llama.cpp loads: a base or merged model (`export_model`) and a LoRA adapter on its
-own (`export_lora`), for the Llama (SmolLM2 included), Mistral, Qwen2 and Qwen3 architectures.
+own (`export_lora`), for the Llama (SmolLM2 included), Mistral, Qwen2, Qwen3 and Gemma 1/2/3
+architectures.
 
 Built on the `gguf` package (writer, tensor-name map, quantizers, special-token reader). Where
 llama.cpp's own converters (convert_hf_to_gguf.py and its conversion/ package, convert_lora_to_gguf.py,
@@ -60,8 +61,16 @@ class Architecture:
     permute_qk: bool
     # llama.cpp's LlamaModel writes vocab_size and rope.dimension_count; Qwen2Model does not.
     writes_vocab_and_rope_dim: bool
+    # Gemma's RMS norms scale by (1 + weight), llama.cpp's by weight: +1 on the way out.
+    norms_plus_one: bool = False
+    # llama.cpp's Gemma and Gemma 2 graphs read token_embd as the output head: no lm_head travels.
+    output_is_embedding: bool = False
+    # Whether a GGUF file of this architecture converts back (gguf_import): transformers' GGUF
+    # reader drops what Gemma 2/3 need (soft-capping, layer kinds, query scale).
+    importable: bool = True
 
 
+_GEMMA = dict(norms_plus_one=True, importable=False)
 ARCHITECTURES = {
     "LlamaForCausalLM": Architecture("LlamaForCausalLM", "llama", True, True),
     "Qwen2ForCausalLM": Architecture("Qwen2ForCausalLM", "qwen2", False, False),
@@ -70,6 +79,13 @@ ARCHITECTURES = {
     "MistralForCausalLM": Architecture("MistralForCausalLM", "llama", True, True),
     # Qwen2's layout plus RMS norms of Q and K per head (attn_q_norm / attn_k_norm).
     "Qwen3ForCausalLM": Architecture("Qwen3ForCausalLM", "qwen3", False, False),
+    "GemmaForCausalLM": Architecture("GemmaForCausalLM", "gemma", False, False,
+                                     output_is_embedding=True, **_GEMMA),
+    # Gemma 2: soft-capped attention and output logits, sliding-window layers, post-norms.
+    "Gemma2ForCausalLM": Architecture("Gemma2ForCausalLM", "gemma2", False, False,
+                                      output_is_embedding=True, **_GEMMA),
+    # Gemma 3 (text): Q/K norms, sliding-window layers with their own rope base.
+    "Gemma3ForCausalLM": Architecture("Gemma3ForCausalLM", "gemma3", False, False, **_GEMMA),
 }
 
 # llama.cpp names the BPE pre-tokenizer by a hash of how the tokenizer splits a check text
@@ -120,9 +136,11 @@ def architecture_of(config: dict[str, Any], model_dir: Path) -> Architecture:
                     f"exported to GGUF; supported: {', '.join(ARCHITECTURES)}")
 
 
-def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+def _rope_parameters(config: dict[str, Any], layer_kind: str = "full_attention") -> dict[str, Any]:
     # transformers 5 writes rope_parameters; older configs have rope_theta / rope_scaling.
     params = dict(config.get("rope_parameters") or {})
+    if layer_kind in params:  # one set per kind of layer (Gemma 3)
+        params = dict(params[layer_kind])
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     if config.get("rope_scaling"):
         params.update(config["rope_scaling"])
@@ -227,6 +245,39 @@ def _add_hyperparameters(writer: Any, arch: Architecture, config: dict[str, Any]
     if arch.writes_vocab_and_rope_dim:
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(_head_dim(config))
+    if arch.gguf_name in _LAST_FULL_SIZE_LAYERS:
+        _add_gemma_attention(writer, arch, config, model_dir)
+
+
+# llama.cpp sizes Gemma 2/3 by their layer count and scales queries by 1/sqrt(hidden / heads) for
+# the 27B (46 and 62 layers), by 1/sqrt(head_dim) otherwise (llama.cpp's models/gemma2.cpp,
+# gemma3.cpp); transformers reads query_pre_attn_scalar.
+_LAST_FULL_SIZE_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _add_gemma_attention(writer: Any, arch: Architecture, config: dict[str, Any],
+                         model_dir: Path) -> None:
+    """Gemma 2/3: soft-capping, which layers slide and how far, their rope base, as llama.cpp's
+    Gemma2Model / Gemma3Model write them; the layer kinds are written per layer."""
+    big = config["num_hidden_layers"] == _LAST_FULL_SIZE_LAYERS[arch.gguf_name]
+    assumed = config["hidden_size"] // config["num_attention_heads"] if big else _head_dim(config)
+    if config.get("query_pre_attn_scalar", assumed) != assumed:
+        raise UserError(f"{model_dir}/config.json: query_pre_attn_scalar "
+                        f"{config['query_pre_attn_scalar']}, but llama.cpp scales this model's "
+                        f"queries by 1/sqrt({assumed}); it would compute different logits")
+    for key, add in (("attn_logit_softcapping", writer.add_attn_logit_softcapping),
+                     ("final_logit_softcapping", writer.add_final_logit_softcapping)):
+        if config.get(key):
+            add(float(config[key]))
+    kinds = config.get("layer_types")
+    sliding = ([kind == "sliding_attention" for kind in kinds] if kinds
+               else [arch.gguf_name == "gemma2"])  # old configs: Gemma 2 always slides
+    if any(sliding) and config.get("sliding_window"):
+        writer.add_sliding_window(int(config["sliding_window"]))
+        if kinds:
+            writer.add_sliding_window_pattern(sliding)
+        local = _rope_parameters(config, "sliding_attention")
+        writer.add_rope_freq_base_swa(float(config.get("rope_local_base_freq", local["rope_theta"])))
 
 
 def _pre_tokenizer_by_rule(spec: dict[str, Any]) -> str | None:
@@ -514,6 +565,11 @@ def export_model(base_dir: Path, out: Path, file_type: str = "f16",
     for hf_name, file, meta, data_start in _base_tensors(base_dir):
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
+        if hf_name == "lm_head.weight" and arch.output_is_embedding:
+            if config.get("tie_word_embeddings", True):
+                continue  # a saved copy of the embedding
+            raise UserError(f"{base_dir}: lm_head differs from the embedding, which llama.cpp's "
+                            f"{arch.gguf_name} graph always uses as the output head")
         gguf_name = base.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise UserError(f"{file}: tensor {hf_name} has no llama.cpp name for {arch.gguf_name}; "
@@ -526,6 +582,8 @@ def export_model(base_dir: Path, out: Path, file_type: str = "f16",
             values = read_tensor(file, meta, start).float()
             if update and adapter is not None:
                 values = adapter.delta(hf_name, values)
+            if arch.norms_plus_one and hf_name.endswith("norm.weight"):
+                values = values + 1
             return base.llama_cpp_rows(hf_name, values)
 
         planned.append(_Planned(gguf_name, _weight_type(shape, wanted), shape, make))

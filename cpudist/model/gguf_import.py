@@ -97,10 +97,12 @@ def _convert(file: Path, target: Path) -> None:
     reader = _reader(file)
     arch_field = reader.fields.get("general.architecture")
     arch_name = arch_field.contents() if arch_field is not None else "(none)"
-    arch = next((a for a in ARCHITECTURES.values() if a.gguf_name == arch_name), None)
+    importable = [a for a in ARCHITECTURES.values() if a.importable]
+    arch = next((a for a in importable if a.gguf_name == arch_name), None)
     if arch is None:
         raise UserError(f"model.path={file}: GGUF architecture {arch_name!r} is not supported as a "
-                        f"base; supported: {', '.join(a.gguf_name for a in ARCHITECTURES.values())}")
+                        f"base; supported: {', '.join(dict.fromkeys(a.gguf_name for a in importable))}. "
+                        "Use the model's Hugging Face directory instead")
     by_gguf = {t.name: t for t in reader.tensors}
     log.info("converting %s into %s (one time, tensor by tensor to bf16)", file, target)
     try:

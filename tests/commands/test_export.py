@@ -313,3 +313,28 @@ def test_bad_gguf_files_get_one_line_errors(tiny_llama: Path, tmp_path: Path) ->
             resolve_model_path(ModelConfig(path=str(bad), cache_dir=str(tmp_path / "cache")))
         assert words in str(caught.value) and "\n" not in str(caught.value)
     assert not list((tmp_path / "cache" / "gguf").glob("[!.]*"))  # nothing half-converted left
+
+
+def test_gemma_exports_that_llama_cpp_would_compute_differently_are_refused(
+        tiny_gemma2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    import shutil
+
+    from cpudist.config import ModelConfig
+    from cpudist.errors import UserError
+    from cpudist.model.load import resolve_model_path
+
+    # llama.cpp fixes the query scale by model size; a config that says otherwise is refused.
+    other = tmp_path / "gemma2-scaled"
+    shutil.copytree(tiny_gemma2, other)
+    config = json.loads((other / "config.json").read_text())
+    config["query_pre_attn_scalar"] = 256
+    (other / "config.json").write_text(json.dumps(config))
+    assert main(["export", "--base", str(other), "--out", str(tmp_path / "x.gguf")]) != 0
+    assert "query_pre_attn_scalar 256" in capsys.readouterr().err
+    assert not (tmp_path / "x.gguf").exists()
+    # A Gemma GGUF does not convert back: transformers' reader would drop its soft-capping.
+    file = tmp_path / "gemma2.gguf"
+    assert main(["export", "--base", str(tiny_gemma2), "--out", str(file), "--type", "f32"]) == 0
+    with pytest.raises(UserError, match="'gemma2' is not supported as a base"):
+        resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache")))

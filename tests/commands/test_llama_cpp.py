@@ -291,3 +291,53 @@ def test_wide_heads_run_in_llama_cpp_as_in_transformers(kind: str, tokenizer_dir
     ids = torch.randint(100, 40000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     expected = _transformers_logits(base, ids)
     assert np.abs(_cpp_logits(_llama(file), ids) - expected).max() < 0.01 * np.abs(expected).max()
+
+
+# Each Gemma's own features, sized so that each one changes the logits of a 64-token text.
+GEMMA_SHAPES: dict[str, dict[str, object]] = {
+    "gemma": {},
+    # Soft-capped attention and output logits; every other layer slides over 16 tokens.
+    "gemma2": dict(num_hidden_layers=4, sliding_window=16, query_pre_attn_scalar=32,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    # Q/K norms; sliding layers with their own rope base (the releases use llama.cpp's default
+    # of 10000 there, so another value shows whether the base travels).
+    "gemma3_text": dict(num_hidden_layers=4, sliding_window=16, query_pre_attn_scalar=32,
+                        layer_types=["sliding_attention", "full_attention"] * 2,
+                        rope_parameters={
+                            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 5e4}}),
+}
+
+
+@pytest.mark.parametrize("kind", GEMMA_SHAPES)
+def test_gemma_family_runs_in_llama_cpp_as_in_transformers(kind: str, spm_tokenizer_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """Gemma 1/2/3 with a SentencePiece vocabulary, as theirs: norms of (1 + weight), soft-capping,
+    sliding windows and Gemma 3's local rope base reach llama.cpp, which computes the logits
+    transformers computes with the adapter merged, and the same with the LoRA file on the base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.commands.test_export import _peft_adapter
+    from tests.helpers import make_tiny_model
+
+    base = make_tiny_model(kind, spm_tokenizer_dir, tmp_path / kind, head_dim=32,
+                           initializer_range=0.2, **GEMMA_SHAPES[kind])
+    adapter, _ = _peft_adapter(base, tmp_path / "adapter")
+    files = {"merged": ["--adapter", adapter], "base": [], "lora": ["--adapter", adapter, "--lora"]}
+    for name, flags in files.items():
+        result = run([*cpudist_cmd(), "export", "--base", base, *flags, "--type", "f32",
+                      "--out", tmp_path / f"{name}.gguf"])
+        assert result.returncode == 0, result.stderr[-3000:]
+    ids = torch.randint(10, 600, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                      adapter).eval()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].double().numpy()
+    merged = _cpp_logits(_llama(tmp_path / "merged.gguf"), ids)
+    error = np.abs(merged - expected).max()
+    assert error < 0.01 * np.abs(expected).max(), (error, np.abs(expected).max())
+    with_lora = _cpp_logits(_llama(tmp_path / "base.gguf", lora=tmp_path / "lora.gguf"), ids)
+    assert np.abs(with_lora - merged).max() < 0.01 * np.abs(expected).max()
+    # The adapter moves the logits far more than the export's error.
+    assert np.abs(_cpp_logits(_llama(tmp_path / "base.gguf"), ids) - merged).max() > 10 * error

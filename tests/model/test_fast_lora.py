@@ -41,7 +41,7 @@ def _forward_backward(model: torch.nn.Module, dtype: str = "float32"
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen", "tiny_llama", "tiny_mistral", "tiny_qwen3",
-                                     "tiny_gemma2"])
+                                     "tiny_gemma", "tiny_gemma2", "tiny_gemma3"])
 def test_fast_path_matches_peft_forward_and_gradients(fixture: str, request: pytest.FixtureRequest,
                                                       tmp_path: Path) -> None:
     path = request.getfixturevalue(fixture)

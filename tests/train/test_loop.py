@@ -61,11 +61,13 @@ def test_loss_falls_only_lora_changes_and_adapter_reloads(
         torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
-def test_cli_run_writes_the_documented_outputs(tiny_qwen: Path, chat_file: Path,
-                                               tmp_path: Path) -> None:
+# Gemma 2: eager attention (it has no sdpa path) and soft-capped logits in the chunked head.
+@pytest.mark.parametrize("fixture", ["tiny_qwen", "tiny_gemma2"])
+def test_cli_run_writes_the_documented_outputs(fixture: str, request: pytest.FixtureRequest,
+                                               chat_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = run([*cpudist_cmd(), "train", *tiny_overrides(tiny_qwen, chat_file, out,
-                                                           train__save_every=2)])
+    result = run([*cpudist_cmd(), "train", *tiny_overrides(request.getfixturevalue(fixture),
+                                                           chat_file, out, train__save_every=2)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "validation loss: before" in result.stdout
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "adapter/adapter_config.json",
