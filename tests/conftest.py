@@ -47,6 +47,15 @@ def spm_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SentencePiece tokenizer made as Gemma's is (its special pieces, no space prefix)."""
+    pytest.importorskip("sentencepiece", reason="sentencepiece is in the dev extra")
+    root = tmp_path_factory.mktemp("gemma-tokenizer")
+    return save_sentencepiece_tokenizer(root / "tokenizer", chatterbot_lines("english", root),
+                                        style="gemma")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("llama", tokenizer_dir, tmp_path_factory.mktemp("tiny-llama"))
 

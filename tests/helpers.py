@@ -66,13 +66,23 @@ def chatterbot_lines(language: str, cache_dir: Path) -> list[str]:
     return [message["content"] for row in rows for message in row["messages"]]
 
 
-def save_sentencepiece_tokenizer(target: Path, lines: list[str]) -> Path:
-    """A real SentencePiece BPE tokenizer as Llama 2 and Mistral 7B have one (byte fallback, split
-    digits, "<unk>" "<s>" "</s>" first), trained on lines, saved as transformers saves Llama's
-    (tokenizer.json); the sentencepiece model itself stays in target/sentencepiece/."""
+# How each family's SentencePiece model is made: Llama 2 / Mistral 7B put "<unk>" "<s>" "</s>"
+# first and a space before the text; Gemma has "<pad>" "<eos>" "<bos>" "<unk>" and no such space.
+SENTENCEPIECE_STYLES: dict[str, tuple[dict[str, object], str]] = {
+    "llama": (dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1), "LlamaTokenizer"),
+    "gemma": (dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+                   bos_piece="<bos>", unk_piece="<unk>", add_dummy_prefix=False), "GemmaTokenizer"),
+}
+
+
+def save_sentencepiece_tokenizer(target: Path, lines: list[str], style: str = "llama") -> Path:
+    """A real SentencePiece BPE tokenizer as Llama 2 and Mistral 7B (or, style="gemma", Gemma)
+    have one (byte fallback, split digits), trained on lines, saved as transformers saves that
+    family's (tokenizer.json); the sentencepiece model itself stays in target/sentencepiece/."""
     import sentencepiece
     from transformers import AutoTokenizer
 
+    pieces, tokenizer_class = SENTENCEPIECE_STYLES[style]
     source = target / "sentencepiece"
     source.mkdir(parents=True)
     (source / "corpus.txt").write_text("\n".join(lines), encoding="utf-8")
@@ -80,9 +90,9 @@ def save_sentencepiece_tokenizer(target: Path, lines: list[str]) -> Path:
         input=str(source / "corpus.txt"), model_prefix=str(source / "tokenizer"), vocab_size=600,
         model_type="bpe", byte_fallback=True, split_digits=True, character_coverage=1.0,
         allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
-        normalization_rule_name="identity", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+        normalization_rule_name="identity", minloglevel=2, **pieces)
     (source / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "legacy": False}))
+        {"tokenizer_class": tokenizer_class, "add_bos_token": True, "legacy": False}))
     AutoTokenizer.from_pretrained(source).save_pretrained(target)
     return target
 

@@ -310,18 +310,20 @@ GEMMA_SHAPES: dict[str, dict[str, object]] = {
 
 
 @pytest.mark.parametrize("kind", GEMMA_SHAPES)
-def test_gemma_family_runs_in_llama_cpp_as_in_transformers(kind: str, spm_tokenizer_dir: Path,
+def test_gemma_family_runs_in_llama_cpp_as_in_transformers(kind: str, gemma_tokenizer_dir: Path,
                                                             tmp_path: Path) -> None:
-    """Gemma 1/2/3 with a SentencePiece vocabulary, as theirs: norms of (1 + weight), soft-capping,
-    sliding windows and Gemma 3's local rope base reach llama.cpp, which computes the logits
-    transformers computes with the adapter merged, and the same with the LoRA file on the base."""
+    """Gemma 1/2/3 with a SentencePiece vocabulary made as theirs: llama.cpp splits text as
+    sentencepiece does; norms of (1 + weight), soft-capping, sliding windows and Gemma 3's local
+    rope base reach llama.cpp, which computes the logits transformers computes with the adapter
+    merged, and the same with the LoRA file on the base."""
+    import sentencepiece
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from tests.commands.test_export import _peft_adapter
-    from tests.helpers import make_tiny_model
+    from tests.helpers import chatterbot_lines, make_tiny_model
 
-    base = make_tiny_model(kind, spm_tokenizer_dir, tmp_path / kind, head_dim=32,
+    base = make_tiny_model(kind, gemma_tokenizer_dir, tmp_path / kind, head_dim=32,
                            initializer_range=0.2, **GEMMA_SHAPES[kind])
     adapter, _ = _peft_adapter(base, tmp_path / "adapter")
     files = {"merged": ["--adapter", adapter], "base": [], "lora": ["--adapter", adapter, "--lora"]}
@@ -329,6 +331,13 @@ def test_gemma_family_runs_in_llama_cpp_as_in_transformers(kind: str, spm_tokeni
         result = run([*cpudist_cmd(), "export", "--base", base, *flags, "--type", "f32",
                       "--out", tmp_path / f"{name}.gguf"])
         assert result.returncode == 0, result.stderr[-3000:]
+    llm = _llama(tmp_path / "base.gguf")
+    reference = sentencepiece.SentencePieceProcessor(
+        model_file=str(gemma_tokenizer_dir / "sentencepiece" / "tokenizer.model"))
+    texts = [*dict.fromkeys(chatterbot_lines("english", tmp_path)), *TRICKY_TEXTS]
+    assert not [text for text in texts  # type: ignore[attr-defined]
+                if llm.tokenize(text.encode(), add_bos=False) != reference.encode(text)]
+    assert llm.tokenize(b"Hi")[0] == reference.bos_id()  # type: ignore[attr-defined]
     ids = torch.randint(10, 600, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                                       adapter).eval()
@@ -340,4 +349,4 @@ def test_gemma_family_runs_in_llama_cpp_as_in_transformers(kind: str, spm_tokeni
     with_lora = _cpp_logits(_llama(tmp_path / "base.gguf", lora=tmp_path / "lora.gguf"), ids)
     assert np.abs(with_lora - merged).max() < 0.01 * np.abs(expected).max()
     # The adapter moves the logits far more than the export's error.
-    assert np.abs(_cpp_logits(_llama(tmp_path / "base.gguf"), ids) - merged).max() > 10 * error
+    assert np.abs(_cpp_logits(llm, ids) - merged).max() > 10 * error
