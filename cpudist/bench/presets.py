@@ -53,6 +53,20 @@ PRESETS: dict[str, Preset] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
         "Qwen/Qwen3-8B's architecture, 8.2 B parameters, 16.4 GB"),
+    "gemma-2-9b": Preset("gemma2", dict(
+        vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True),
+        "google/gemma-2-9b-it's architecture (soft-capped logits, eager attention), 9.2 B "
+        "parameters, 18.5 GB"),
+    "gemma-3-1b": Preset("gemma3_text", dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=512, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=True),
+        "google/gemma-3-1b-it's architecture (5 sliding layers to 1 global), 1.0 B parameters"),
     # The real quickstart model (pretrained weights of the built-in smollm2-135m-instruct).
     "smollm2-135m": Preset("builtin", {"name": "smollm2-135m-instruct"},
                            "the built-in SmolLM2-135M-Instruct, pretrained weights"),

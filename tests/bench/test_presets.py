@@ -16,7 +16,8 @@ from tests.helpers import MODEL_CACHE
 # Parameter counts of the published checkpoints (tied embeddings counted once).
 PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512,
              "llama-3-8b": 8_030_261_248, "mistral-7b": 7_248_023_552,
-             "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360}
+             "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360,
+             "gemma-2-9b": 9_241_705_984, "gemma-3-1b": 999_885_952}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -33,6 +34,11 @@ def test_presets_are_the_published_architectures(name: str) -> None:
         assert attention.q_proj.bias is not None
     if name.startswith("qwen3"):  # Qwen3 has none, and RMS norms of Q and K per head
         assert attention.q_proj.bias is None and attention.q_norm.weight.shape == (128,)
+    if name.startswith("gemma"):  # 256-wide heads; the layer kinds alternate as released
+        assert attention.q_proj.weight.shape[0] == 256 * config.num_attention_heads
+        expected = ["sliding_attention", "full_attention"] if name.startswith("gemma-2") else (
+            ["sliding_attention"] * 5 + ["full_attention"])
+        assert config.layer_types[:len(expected)] == expected
 
 
 def test_random_model_is_written_in_shards_one_tensor_at_a_time(tmp_path: Path,
