@@ -122,6 +122,28 @@ def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path, **sizes: objec
     return target
 
 
+def make_tiny_gemma3_with_vision(tokenizer_dir: Path, target: Path, **text_sizes: object) -> Path:
+    """A random Gemma3ForConditionalGeneration (a text model beside a small vision tower), saved
+    as transformers saves the released Gemma 3 4B/12B/27B checkpoints; text_sizes overrides the
+    text model's config."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                query_pre_attn_scalar=16, max_position_embeddings=512,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    text.update(text_sizes)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=32, patch_size=8)
+    config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision,
+                                  mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+    return target
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     return path

@@ -56,7 +56,8 @@ def flop_model(peft_model: nn.Module) -> FlopModel:
             for adapter in magnitudes:
                 a = module.lora_A[adapter].weight
                 dora += a.shape[0] * a.shape[1] * module.lora_B[adapter].weight.shape[0]
-    for name, module in base.named_modules():
+    # The decoder's linears: a multimodal model's vision tower does not run on text.
+    for name, module in base.get_decoder().named_modules():
         if isinstance(module, QuantizedLinear):  # frozen, stored quantized, computed in full
             n_frozen += module.in_features * module.out_features
             continue
@@ -67,6 +68,7 @@ def flop_model(peft_model: nn.Module) -> FlopModel:
             n_lora += module.in_features * module.out_features
         elif not module.weight.requires_grad:
             n_frozen += module.in_features * module.out_features
+    config = config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return FlopModel(n_frozen=n_frozen, n_lora=n_lora, n_layers=config.num_hidden_layers,
                      attn_dim=config.num_attention_heads * head_dim,
@@ -124,7 +126,7 @@ class GemmPeak:
 def model_gemm_shapes(peft_model: nn.Module, tokens: int) -> list[tuple[int, int, int]]:
     """(m, k, n) of the model's MLP matmuls for `tokens` rows: the shapes most of a step runs."""
     base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
-    config = base.config
+    config = base.config.get_text_config()
     hidden = config.hidden_size
     inner = getattr(config, "intermediate_size", 4 * hidden)
     return [(tokens, hidden, inner), (tokens, inner, hidden)]

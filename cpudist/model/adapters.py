@@ -7,6 +7,7 @@ register it in ADAPTER_METHODS; `method_of` says which one a config asks for.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,25 @@ def _with_quantized_layers(peft_config: Any) -> Any:
     return peft_config
 
 
+def _all_linear_targets(model: nn.Module, quantized: bool) -> str | list[str]:
+    """What lora.target_modules=all-linear means: every linear layer of the text model but the LM
+    head. peft's own all-linear knows only nn.Linear (and bitsandbytes layers), and in a model with
+    a vision tower (Gemma 3 4B and up) it takes the tower's layers too, which text never trains."""
+    head, decoder = model.get_output_embeddings(), model.get_decoder()
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    inside: set[str] = set()
+    outside = False
+    for name, module in model.named_modules():
+        if isinstance(module, _linear_types()) and module is not head:
+            if name.startswith(f"{prefix}."):
+                inside.add(name.rsplit(".", 1)[-1])
+            else:
+                outside = True
+    if outside:  # a regular expression peft matches against whole module names
+        return rf"{re.escape(prefix)}\..*\.({'|'.join(sorted(inside))})"
+    return sorted(inside) if quantized else "all-linear"
+
+
 def apply_adapter(model: nn.Module, config: LoraConfig) -> nn.Module:
     """The frozen base wrapped with a fresh, trainable adapter (fp32 weights)."""
     from peft import get_peft_model
@@ -84,12 +104,8 @@ def apply_adapter(model: nn.Module, config: LoraConfig) -> nn.Module:
         raise UserError("lora.use_dora=true needs the base weights' norms every step, which a "
                         "quantized base (model.quantize) does not keep; use model.quantize=none or "
                         "plain LoRA (lora.use_dora=false)")
-    if quantized and targets == "all-linear":
-        # peft's all-linear knows only nn.Linear (and bitsandbytes layers): name them instead,
-        # every linear but the LM head, as all-linear means.
-        head = model.get_output_embeddings()
-        targets = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                          if isinstance(module, _linear_types()) and module is not head})
+    if targets == "all-linear":
+        targets = _all_linear_targets(model, quantized)
     peft_config = ADAPTER_METHODS[method_of(config)](config, targets)
     if quantized:
         _with_quantized_layers(peft_config)

@@ -86,7 +86,28 @@ ARCHITECTURES = {
                                       output_is_embedding=True, **_GEMMA),
     # Gemma 3 (text): Q/K norms, sliding-window layers with their own rope base.
     "Gemma3ForCausalLM": Architecture("Gemma3ForCausalLM", "gemma3", False, False, **_GEMMA),
+    # Gemma 3 4B/12B/27B: the same text model beside a vision tower; its text model is written,
+    # as llama.cpp's converter writes it (the vision part is its separate mmproj file).
+    "Gemma3ForConditionalGeneration": Architecture("Gemma3ForConditionalGeneration", "gemma3",
+                                                   False, False, **_GEMMA),
 }
+# Where multimodal checkpoints keep their text model: on disk "language_model.model.*" (the
+# released files), in transformers 5's modules and so in PEFT's adapters "model.language_model.*".
+_TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))
+_NOT_TEXT_MODEL = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                   "model.multi_modal_projector.")
+
+
+def text_model_name(name: str) -> str | None:
+    """A tensor's name in the text-only model (model.layers..., lm_head...), or None for a part of
+    a multimodal checkpoint that is not the text model."""
+    if name.startswith(_NOT_TEXT_MODEL):
+        return None
+    for prefix, replacement in _TEXT_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name.removeprefix(prefix)
+    return name
 
 # llama.cpp names the BPE pre-tokenizer by a hash of how the tokenizer splits a check text
 # (get_vocab_base_pre in llama.cpp's conversion/base.py, which is generated; these are its entries
@@ -121,10 +142,20 @@ _SPLIT_RULES = {
 def _hf_config(model_dir: Path) -> dict[str, Any]:
     file = model_dir / "config.json"
     try:
-        return json.loads(file.read_text())
+        config = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"{file}: not a readable model config ({exc}); pass a Hugging Face model "
                         "directory as --base") from None
+    if "text_config" in config:
+        # A multimodal checkpoint: the text model's settings, with the defaults the released
+        # files leave out (transformers' config class fills them).
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(model_dir).get_text_config().to_dict()
+        config = {**text, "architectures": config.get("architectures"),
+                  "tie_word_embeddings": config.get("tie_word_embeddings",
+                                                    text.get("tie_word_embeddings", True))}
+    return config
 
 
 def architecture_of(config: dict[str, Any], model_dir: Path) -> Architecture:
@@ -412,7 +443,8 @@ class AdapterWeights:
 
     directory: Path
     config: dict[str, Any]
-    # base weight name ("model.layers.0.self_attn.q_proj.weight") -> (A, B, magnitude or None)
+    # base weight name in the text model ("model.layers.0.self_attn.q_proj.weight", as
+    # text_model_name gives it) -> (A, B, magnitude or None)
     modules: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
     @property
@@ -465,8 +497,11 @@ def read_adapter(adapter_dir: Path) -> AdapterWeights:
         if "A.weight" not in kinds or "B.weight" not in kinds:
             raise UserError(f"{adapter_dir}/adapter_model.safetensors: {module} has "
                             f"{sorted(kinds)}, not a LoRA A/B pair (embedding adapters do not export)")
-        modules[f"{module}.weight"] = (kinds["A.weight"], kinds["B.weight"],
-                                       kinds.get("magnitude_vector"))
+        name = text_model_name(f"{module}.weight")
+        if name is None:
+            raise UserError(f"{adapter_dir}: it adapts {module}, outside the text model that GGUF "
+                            "export writes; train with lora.target_modules in the text model")
+        modules[name] = (kinds["A.weight"], kinds["B.weight"], kinds.get("magnitude_vector"))
     return AdapterWeights(adapter_dir, config, modules)
 
 
@@ -544,7 +579,9 @@ def _base_tensors(model_dir: Path) -> Iterator[tuple[str, Path, dict, int]]:
     for file in files:
         header, data_start = read_header(file)
         for name, meta in header.items():
-            yield name, file, meta, data_start
+            text_name = text_model_name(name)
+            if text_name is not None:
+                yield text_name, file, meta, data_start
 
 
 def export_model(base_dir: Path, out: Path, file_type: str = "f16",

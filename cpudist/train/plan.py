@@ -95,6 +95,7 @@ def model_parts(config: Config) -> Parts:
     total = sum(p.numel() for p in model.parameters())
     n_embed = embedding.weight.numel()
     n_head = 0 if tied else head.weight.numel()
+    hf_config = hf_config.get_text_config()  # a multimodal model's (Gemma 3 4B+) text model
     return Parts(linears=linears, linear_shapes=shapes, embedding=n_embed, head=n_head,
                  other=total - linears - n_embed - n_head, hidden=hf_config.hidden_size,
                  intermediate=getattr(hf_config, "intermediate_size", 4 * hf_config.hidden_size),

@@ -350,3 +350,46 @@ def test_gemma_family_runs_in_llama_cpp_as_in_transformers(kind: str, gemma_toke
     assert np.abs(with_lora - merged).max() < 0.01 * np.abs(expected).max()
     # The adapter moves the logits far more than the export's error.
     assert np.abs(_cpp_logits(llm, ids) - merged).max() > 10 * error
+
+
+def test_gemma3_with_vision_trains_its_text_model_and_exports_it(gemma_tokenizer_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """A Gemma 3 checkpoint with a vision tower (as the 4B, 12B and 27B are): `cpudist train`
+    adapts the text model's linears only, and the text model exports merged and as a LoRA file,
+    which llama.cpp runs with the logits of transformers + PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import chat_rows, make_tiny_gemma3_with_vision
+
+    base = make_tiny_gemma3_with_vision(gemma_tokenizer_dir, tmp_path / "gemma3-vision",
+                                        initializer_range=0.2, head_dim=32,
+                                        query_pre_attn_scalar=32)
+    out = tmp_path / "run"
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
+    result = run([*cpudist_cmd(), "train", *tiny_overrides(base, data, out, lora__alpha=64)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert "language_model" in adapter["target_modules"]
+    from safetensors import safe_open
+
+    with safe_open(out / "adapter" / "adapter_model.safetensors", "pt") as weights:
+        names = list(weights.keys())
+    assert names and all("language_model" in name for name in names)
+    assert len(names) == 2 * 7 * 2  # A and B of the 7 projections of each of the 2 layers
+    for name, flags in {"merged": ["--adapter", out], "base": [],
+                        "lora": ["--adapter", out, "--lora"]}.items():
+        result = run([*cpudist_cmd(), "export", "--base", base, *flags, "--type", "f32",
+                      "--out", tmp_path / f"{name}.gguf"])
+        assert result.returncode == 0, result.stderr[-3000:]
+    ids = torch.randint(10, 600, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                      out / "adapter").eval()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].double().numpy()
+    merged = _cpp_logits(_llama(tmp_path / "merged.gguf"), ids)
+    error = np.abs(merged - expected).max()
+    assert error < 0.01 * np.abs(expected).max(), (error, np.abs(expected).max())
+    with_lora = _cpp_logits(_llama(tmp_path / "base.gguf", lora=tmp_path / "lora.gguf"), ids)
+    assert np.abs(with_lora - merged).max() < 0.01 * np.abs(expected).max()
+    assert np.abs(_cpp_logits(_llama(tmp_path / "base.gguf"), ids) - merged).max() > 10 * error
