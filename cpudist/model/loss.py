@@ -147,7 +147,7 @@ class CausalLMLoss(nn.Module):
         self.model = model
         self.chunk_size = chunk_size
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        config = base.config
+        config = base.config.get_text_config()  # a multimodal model's (Gemma 3 4B+) text model
         # Soft-capping (Gemma 2) is done chunk by chunk; other heads that post-process logits
         # (Cohere's logit_scale) take the full model path.
         self.softcap = getattr(config, "final_logit_softcapping", None) or None
