@@ -112,11 +112,7 @@ def attention_implementation(requested: str, hf_config: Any) -> str:
 
     # Custom-code models are not in the mapping: they keep sdpa, as before there was auto.
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
-    chosen = "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
-    if chosen == "eager":
-        log.info("attention: eager (%s has no SDPA path in transformers)",
-                 model_class.__name__ if model_class else type(hf_config).__name__)
-    return chosen
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
 
 
 def load_base_model(config: ModelConfig, path: Path, precision: Precision,
@@ -134,9 +130,12 @@ def load_base_model(config: ModelConfig, path: Path, precision: Precision,
     mapped = None
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
-        options = dict(trust_remote_code=config.trust_remote_code,
-                       attn_implementation=attention_implementation(config.attn_implementation,
-                                                                    hf_config))
+        attention = attention_implementation(config.attn_implementation, hf_config)
+        if attention != config.attn_implementation:
+            log.info("attention: %s (model.attn_implementation=auto; %s has %s)", attention,
+                     type(hf_config).__name__.removesuffix("Config"),
+                     "sdpa" if attention == "sdpa" else "no sdpa path in transformers")
+        options = dict(trust_remote_code=config.trust_remote_code, attn_implementation=attention)
         if config.quantize != "none":
             return _load_quantized(config, path, hf_config, precision, cache_dir, options)
         if map_weights:

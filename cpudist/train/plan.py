@@ -28,6 +28,7 @@ GB = 1024**3
 # Fitted on the bench's peaks (see the module docstring): bytes kept per token, per layer, per
 # unit of hidden size (h) and of MLP width (i), in bf16 and in fp32 compute.
 ACTIVATION_BYTES = {"bfloat16": (26.0, 8.0), "float32": (34.0, 16.0)}
+EAGER_SCORE_BYTES = 8  # kept per attention score and layer by eager attention (see estimate)
 # With checkpointing each layer keeps its input (h values); one layer is recomputed at a time.
 CHECKPOINT_KEPT = {"bfloat16": 2.0, "float32": 4.0}
 PROCESS_GB = 0.75  # python, torch, transformers, tokenizer, allocator slack
@@ -48,6 +49,8 @@ class Parts:
     layers: int
     vocab: int
     tied: bool
+    heads: int = 0
+    eager_attention: bool = False  # attention scores materialized (model.attn_implementation)
 
 
 @dataclass
@@ -74,7 +77,7 @@ def model_parts(config: Config) -> Parts:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from cpudist.model.load import resolve_model_path
+    from cpudist.model.load import attention_implementation, resolve_model_path
 
     path = resolve_model_path(config.model)
     try:
@@ -95,11 +98,13 @@ def model_parts(config: Config) -> Parts:
     total = sum(p.numel() for p in model.parameters())
     n_embed = embedding.weight.numel()
     n_head = 0 if tied else head.weight.numel()
+    eager = attention_implementation(config.model.attn_implementation, hf_config) == "eager"
     hf_config = hf_config.get_text_config()  # a multimodal model's (Gemma 3 4B+) text model
     return Parts(linears=linears, linear_shapes=shapes, embedding=n_embed, head=n_head,
                  other=total - linears - n_embed - n_head, hidden=hf_config.hidden_size,
                  intermediate=getattr(hf_config, "intermediate_size", 4 * hf_config.hidden_size),
-                 layers=hf_config.num_hidden_layers, vocab=hf_config.vocab_size, tied=tied)
+                 layers=hf_config.num_hidden_layers, vocab=hf_config.vocab_size, tied=tied,
+                 heads=hf_config.num_attention_heads, eager_attention=eager)
 
 
 def _lora_params(parts: Parts, config: Config) -> int:
@@ -153,6 +158,13 @@ def estimate(config: Config, parts: Parts, ranks_per_node: int, node_memory: tup
         rank["activations (checkpointed)"] = (kept + per_layer_token * tokens) / GB
     else:
         rank["activations"] = per_layer_token * tokens * parts.layers / GB
+    if parts.eager_attention:
+        # Eager attention saves 8 bytes per score (batch x heads x length^2) and layer for
+        # backward (measured on Gemma 2, bf16 and fp32), and the layer being computed as much
+        # again in transient buffers; sdpa keeps no score matrix.
+        scores = config.train.batch_size * parts.heads * config.data.max_length ** 2
+        holding = 1 if config.model.gradient_checkpointing else parts.layers
+        rank["attention scores (eager)"] = EAGER_SCORE_BYTES * scores * (holding + 1) / GB
     chunk = config.train.loss_chunk_size
     if chunk:
         rows = min(chunk, tokens)

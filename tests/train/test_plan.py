@@ -54,6 +54,22 @@ def test_each_setting_moves_the_plan_where_it_should(tiny_qwen: Path) -> None:
     assert unshared.node_peak_gb > two.node_peak_gb
 
 
+def test_eager_attention_counts_its_score_matrices(tiny_gemma2: Path, tiny_qwen: Path) -> None:
+    # Gemma 2 runs eager attention (no sdpa path): 8 bytes per score and layer kept, plus the
+    # layer being computed; checked against bench peaks in docs/PERFORMANCE.md ("Will it fit").
+    parts = model_parts(_config(tiny_gemma2))
+    assert parts.eager_attention and parts.heads == 4
+    assert not model_parts(_config(tiny_qwen)).eager_attention
+
+    def scores(*overrides: str) -> float:
+        plan = estimate(_config(tiny_gemma2, *overrides), parts, 1, NODE, "bfloat16")
+        return plan.rank_gb["attention scores (eager)"] * 1024**3
+
+    assert scores() == 8 * 4 * 4 * 256**2 * (parts.layers + 1)  # batch 4, 4 heads, 256 tokens
+    assert scores("data.max_length=512") == 4 * scores()
+    assert scores("model.gradient_checkpointing=true") == 8 * 4 * 4 * 256**2 * 2
+
+
 def test_node_memory_is_the_smallest_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     total, source = memory.node_memory_gb()
     assert total > 0 and source in ("MemTotal", "psutil") or source.startswith("cgroup")
