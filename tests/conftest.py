@@ -95,6 +95,12 @@ def tiny_gemma3(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
                            head_dim=16, query_pre_attn_scalar=16)
 
 
+@pytest.fixture(scope="session")
+def tiny_phi3(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Phi-3: fused qkv_proj and gate_up_proj."""
+    return make_tiny_model("phi3", tokenizer_dir, tmp_path_factory.mktemp("tiny-phi3"), pad_token_id=0)
+
+
 @pytest.fixture
 def chat_file(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "chat.jsonl", chat_rows())

@@ -1,6 +1,6 @@
 """GGUF files that llama.cpp loads: a base or merged model (`export_model`) and a LoRA adapter on its
-own (`export_lora`), for the Llama (SmolLM2 included), Mistral, Qwen2, Qwen3 and Gemma 1/2/3
-architectures.
+own (`export_lora`), for the Llama (SmolLM2 included), Mistral, Qwen2, Qwen3, Gemma 1/2/3 and
+Phi-3 architectures.
 
 Built on the `gguf` package (writer, tensor-name map, quantizers, special-token reader). Where
 llama.cpp's own converters (convert_hf_to_gguf.py and its conversion/ package, convert_lora_to_gguf.py,
@@ -90,6 +90,8 @@ ARCHITECTURES = {
     # as llama.cpp's converter writes it (the vision part is its separate mmproj file).
     "Gemma3ForConditionalGeneration": Architecture("Gemma3ForConditionalGeneration", "gemma3",
                                                    False, False, **_GEMMA),
+    # Phi-3 / Phi-3.5 mini and medium: fused qkv_proj and gate_up_proj, LongRoPE for 128k.
+    "Phi3ForCausalLM": Architecture("Phi3ForCausalLM", "phi3", False, False, importable=False),
 }
 # Where multimodal checkpoints keep their text model: on disk "language_model.model.*" (the
 # released files), in transformers 5's modules and so in PEFT's adapters "model.language_model.*".
@@ -270,14 +272,60 @@ def _add_hyperparameters(writer: Any, arch: Architecture, config: dict[str, Any]
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif kind == "longrope" and arch.gguf_name == "phi3":
+        pass  # travels as the rope_factors tensors and the attention factor (_add_phi3_rope)
     elif kind not in ("default", "llama3"):  # llama3 travels as the rope_freqs tensor
         raise UserError(f"{model_dir}/config.json: rope type {kind!r} cannot be exported to GGUF "
-                        "(supported: default, linear, yarn, llama3)")
+                        "(supported: default, linear, yarn, llama3, and longrope for Phi-3)")
     if arch.writes_vocab_and_rope_dim:
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(_head_dim(config))
     if arch.gguf_name in _LAST_FULL_SIZE_LAYERS:
         _add_gemma_attention(writer, arch, config, model_dir)
+    if arch.gguf_name == "phi3":
+        _add_phi3_rope(writer, config)
+
+
+def _phi3_rope_dims(config: dict[str, Any]) -> int:
+    fraction = _rope_parameters(config).get("partial_rotary_factor",
+                                            config.get("partial_rotary_factor", 1.0))
+    return int(fraction * config["hidden_size"]) // config["num_attention_heads"]
+
+
+def _phi3_original_context(config: dict[str, Any]) -> int:
+    rope = _rope_parameters(config)
+    return int(rope.get("original_max_position_embeddings")
+               or config.get("original_max_position_embeddings")
+               or config["max_position_embeddings"])
+
+
+def _add_phi3_rope(writer: Any, config: dict[str, Any]) -> None:
+    """What llama.cpp's Phi3MiniModel writes besides the common keys: the rotated dimensions,
+    the original context, and for LongRoPE the attention factor (its factors are tensors)."""
+    writer.add_rope_dimension_count(_phi3_rope_dims(config))
+    original = _phi3_original_context(config)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    # llama.cpp has no sliding window in its Phi-3 graph (it warns and drops one); 0 says none.
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    rope = _rope_parameters(config)
+    if str(rope["rope_type"]).lower() == "longrope":
+        scale = config["max_position_embeddings"] / original
+        factor = rope.get("attention_factor") or (
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_rope_scaling_attn_factors(float(factor))
+
+
+def _phi3_rope_factors(config: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """LongRoPE's per-frequency factors as llama.cpp's rope_factors_long/short tensors; llama.cpp
+    takes the long ones when its context exceeds the original, transformers when the text does."""
+    import gguf
+
+    rope = _rope_parameters(config)
+    if str(rope["rope_type"]).lower() != "longrope":
+        return []
+    return [(gguf.TENSOR_NAMES[kind] + ".weight", torch.tensor(rope[key], dtype=torch.float32))
+            for kind, key in ((gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, "long_factor"),
+                              (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, "short_factor"))]
 
 
 # llama.cpp sizes Gemma 2/3 by their layer count and scales queries by 1/sqrt(hidden / heads) for
@@ -599,6 +647,10 @@ def export_model(base_dir: Path, out: Path, file_type: str = "f16",
         factors = llama3_rope_factors(rope, _head_dim(config))
         planned.append(_Planned(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
                                 gguf.GGMLQuantizationType.F32, tuple(factors.shape), lambda f=factors: f))
+    if arch.gguf_name == "phi3":
+        for gguf_name, factors in _phi3_rope_factors(config):
+            planned.append(_Planned(gguf_name, gguf.GGMLQuantizationType.F32, tuple(factors.shape),
+                                    lambda f=factors: f))
     for hf_name, file, meta, data_start in _base_tensors(base_dir):
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue

@@ -21,9 +21,10 @@ def _peft_adapter(base: Path, out: Path, **lora: object) -> tuple[Path, dict[str
 
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                           "gate_proj", "up_proj", "down_proj"],
-                        init_lora_weights=False, **lora)  # type: ignore[arg-type]
+    targets = lora.pop("target_modules", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                          "up_proj", "down_proj"])
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
+                        **lora)  # type: ignore[arg-type]
     peft_model = get_peft_model(model, config)
     peft_model.save_pretrained(out, safe_serialization=True)
     merged = peft_model.merge_and_unload()

@@ -334,6 +334,37 @@ def test_gemma_family_runs_in_llama_cpp_as_in_transformers(kind: str, gemma_toke
     assert llm.tokenize(b"Hi")[0] == reference.bos_id()  # type: ignore[attr-defined]
 
 
+# Phi-3 mini 4k's rope, and Phi-3.5 / 128k's LongRoPE: past 32 tokens (the "original" context
+# here) the long factors and the attention factor apply, in transformers as in llama.cpp at a
+# context of 512.
+PHI3_ROPES: dict[str, dict[str, object]] = {
+    "default": {},
+    "longrope": dict(max_position_embeddings=512, original_max_position_embeddings=32,
+                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                      "original_max_position_embeddings": 32,
+                                      "long_factor": [1.0 + 0.5 * i for i in range(8)],
+                                      "short_factor": [1.0 + 0.1 * i for i in range(8)]}),
+}
+
+
+@pytest.mark.parametrize("rope", PHI3_ROPES)
+def test_phi3_runs_in_llama_cpp_as_in_transformers(rope: str, spm_tokenizer_dir: Path,
+                                                    tmp_path: Path) -> None:
+    """Phi-3 (fused qkv_proj and gate_up_proj, a Llama 2 SentencePiece vocabulary), with an
+    adapter on the fused projections, merged and as a LoRA file; LongRoPE's factors travel (the
+    test fails without them or without the attention factor)."""
+    from tests.commands.test_export import _peft_adapter
+    from tests.helpers import make_tiny_model
+
+    # No "phi3" in the file's name (base and run directory): llama.cpp gives files so named
+    # Phi-3's special tokens (<|endoftext|>), which this small vocabulary has not.
+    base = make_tiny_model("phi3", spm_tokenizer_dir, tmp_path / "small", initializer_range=0.2,
+                           pad_token_id=0, **PHI3_ROPES[rope])
+    adapter, _ = _peft_adapter(base, tmp_path / "run" / "adapter",
+                               target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    _check_adapter_exports(base, adapter, tmp_path, length=48)
+
+
 def _check_adapter_exports(base: Path, adapter: Path, tmp_path: Path, length: int) -> None:
     """Export base + adapter merged, the base alone and the LoRA file (f32): llama.cpp computes
     transformers + PEFT's logits on a random text of `length` tokens with the merged file, the
