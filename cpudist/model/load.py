@@ -131,10 +131,9 @@ def load_base_model(config: ModelConfig, path: Path, precision: Precision,
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
         attention = attention_implementation(config.attn_implementation, hf_config)
-        if attention != config.attn_implementation:
-            log.info("attention: %s (model.attn_implementation=auto; %s has %s)", attention,
-                     type(hf_config).__name__.removesuffix("Config"),
-                     "sdpa" if attention == "sdpa" else "no sdpa path in transformers")
+        if config.attn_implementation == "auto" and attention == "eager":
+            log.info("attention: eager (model.attn_implementation=auto; %s has no sdpa path in "
+                     "transformers)", type(hf_config).__name__.removesuffix("Config"))
         options = dict(trust_remote_code=config.trust_remote_code, attn_implementation=attention)
         if config.quantize != "none":
             return _load_quantized(config, path, hf_config, precision, cache_dir, options)
