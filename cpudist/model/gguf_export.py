@@ -273,7 +273,7 @@ def _add_hyperparameters(writer: Any, arch: Architecture, config: dict[str, Any]
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     elif kind == "longrope" and arch.gguf_name == "phi3":
-        pass  # travels as the rope_factors tensors and the attention factor (_add_phi3_rope)
+        pass  # the factors travel as tensors (_rope_tensors), the attention factor as a key
     elif kind not in ("default", "llama3"):  # llama3 travels as the rope_freqs tensor
         raise UserError(f"{model_dir}/config.json: rope type {kind!r} cannot be exported to GGUF "
                         "(supported: default, linear, yarn, llama3, and longrope for Phi-3)")
@@ -283,31 +283,22 @@ def _add_hyperparameters(writer: Any, arch: Architecture, config: dict[str, Any]
     if arch.gguf_name in _LAST_FULL_SIZE_LAYERS:
         _add_gemma_attention(writer, arch, config, model_dir)
     if arch.gguf_name == "phi3":
-        _add_phi3_rope(writer, config)
+        _add_phi3_rope(writer, config, rope)
 
 
-def _phi3_rope_dims(config: dict[str, Any]) -> int:
-    fraction = _rope_parameters(config).get("partial_rotary_factor",
-                                            config.get("partial_rotary_factor", 1.0))
-    return int(fraction * config["hidden_size"]) // config["num_attention_heads"]
-
-
-def _phi3_original_context(config: dict[str, Any]) -> int:
-    rope = _rope_parameters(config)
-    return int(rope.get("original_max_position_embeddings")
-               or config.get("original_max_position_embeddings")
-               or config["max_position_embeddings"])
-
-
-def _add_phi3_rope(writer: Any, config: dict[str, Any]) -> None:
+def _add_phi3_rope(writer: Any, config: dict[str, Any], rope: dict[str, Any]) -> None:
     """What llama.cpp's Phi3MiniModel writes besides the common keys: the rotated dimensions,
-    the original context, and for LongRoPE the attention factor (its factors are tensors)."""
-    writer.add_rope_dimension_count(_phi3_rope_dims(config))
-    original = _phi3_original_context(config)
+    the original context, and for LongRoPE the attention factor (its factors are tensors:
+    _rope_tensors)."""
+    fraction = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    writer.add_rope_dimension_count(int(fraction * config["hidden_size"])
+                                    // config["num_attention_heads"])
+    original = int(rope.get("original_max_position_embeddings")
+                   or config.get("original_max_position_embeddings")
+                   or config["max_position_embeddings"])
     writer.add_rope_scaling_orig_ctx_len(original)
     # llama.cpp has no sliding window in its Phi-3 graph (it warns and drops one); 0 says none.
     writer.add_sliding_window(config.get("sliding_window") or 0)
-    rope = _rope_parameters(config)
     if str(rope["rope_type"]).lower() == "longrope":
         scale = config["max_position_embeddings"] / original
         factor = rope.get("attention_factor") or (
@@ -315,17 +306,23 @@ def _add_phi3_rope(writer: Any, config: dict[str, Any]) -> None:
         writer.add_rope_scaling_attn_factors(float(factor))
 
 
-def _phi3_rope_factors(config: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """LongRoPE's per-frequency factors as llama.cpp's rope_factors_long/short tensors; llama.cpp
-    takes the long ones when its context exceeds the original, transformers when the text does."""
+def _rope_tensors(arch: Architecture, config: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """The rope scaling llama.cpp reads from tensors, not keys: Llama 3's per-frequency factors
+    (rope_freqs, LlamaModel.generate_extra_tensors) and LongRoPE's long and short factors
+    (rope_factors_long/short, Phi3MiniModel's; llama.cpp takes the long ones when its context
+    exceeds the original, transformers when the text does)."""
     import gguf
 
     rope = _rope_parameters(config)
-    if str(rope["rope_type"]).lower() != "longrope":
-        return []
-    return [(gguf.TENSOR_NAMES[kind] + ".weight", torch.tensor(rope[key], dtype=torch.float32))
-            for kind, key in ((gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, "long_factor"),
-                              (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, "short_factor"))]
+    kind = str(rope["rope_type"]).lower()
+    if arch.permute_qk and kind == "llama3":
+        return [(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                 llama3_rope_factors(rope, _head_dim(config)))]
+    if arch.gguf_name == "phi3" and kind == "longrope":
+        return [(gguf.TENSOR_NAMES[tensor] + ".weight", torch.tensor(rope[key], dtype=torch.float32))
+                for tensor, key in ((gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, "long_factor"),
+                                    (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, "short_factor"))]
+    return []
 
 
 # llama.cpp sizes Gemma 2/3 by their layer count and scales queries by 1/sqrt(hidden / heads) for
@@ -641,16 +638,8 @@ def export_model(base_dir: Path, out: Path, file_type: str = "f16",
     base = _Base.read(base_dir)
     config, arch = base.config, base.arch
     pending = dict(adapter.modules) if adapter else {}
-    planned: list[_Planned] = []
-    rope = _rope_parameters(config)
-    if arch.permute_qk and str(rope["rope_type"]).lower() == "llama3":
-        factors = llama3_rope_factors(rope, _head_dim(config))
-        planned.append(_Planned(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
-                                gguf.GGMLQuantizationType.F32, tuple(factors.shape), lambda f=factors: f))
-    if arch.gguf_name == "phi3":
-        for gguf_name, factors in _phi3_rope_factors(config):
-            planned.append(_Planned(gguf_name, gguf.GGMLQuantizationType.F32, tuple(factors.shape),
-                                    lambda f=factors: f))
+    planned = [_Planned(gguf_name, gguf.GGMLQuantizationType.F32, tuple(factors.shape),
+                        lambda f=factors: f) for gguf_name, factors in _rope_tensors(arch, config)]
     for hf_name, file, meta, data_start in _base_tensors(base_dir):
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
