@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -103,6 +103,15 @@ def chat_rows() -> list[dict]:
             for q, a in CHAT_ROWS * 4]
 
 
+def _tiny_sizes(tokenizer: Any, sizes: dict[str, object]) -> dict[str, object]:
+    """The tiny models' config: two layers of width 64, the tokenizer's vocabulary and special
+    tokens, then the caller's sizes."""
+    return {**dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
+                   eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True), **sizes}
+
+
 def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path, **sizes: object) -> Path:
     """A random-weight causal LM of a real architecture (kind: its transformers model type, such as
     llama, mistral, qwen2, qwen3), saved with a real tokenizer; sizes overrides the config's
@@ -110,13 +119,8 @@ def make_tiny_model(kind: str, tokenizer_dir: Path, target: Path, **sizes: objec
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
-    common.update(sizes)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **common))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **_tiny_sizes(tokenizer, sizes)))
     model.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
     return target
@@ -129,11 +133,7 @@ def make_tiny_gemma3_with_vision(tokenizer_dir: Path, target: Path, **text_sizes
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                query_pre_attn_scalar=16, max_position_embeddings=512,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    text.update(text_sizes)
+    text = _tiny_sizes(tokenizer, {"head_dim": 16, "query_pre_attn_scalar": 16, **text_sizes})
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                   image_size=32, patch_size=8)
     config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision,
