@@ -97,6 +97,38 @@ def save_sentencepiece_tokenizer(target: Path, lines: list[str], style: str = "l
     return target
 
 
+# Each Gemma's own features, sized so that each one changes the logits of a 64-token text
+# (with head_dim=32 and initializer_range=0.2).
+GEMMA_FEATURES: dict[str, dict[str, object]] = {
+    "gemma": {},
+    # Soft-capped attention and output logits; every other layer slides over 16 tokens.
+    "gemma2": dict(num_hidden_layers=4, sliding_window=16, query_pre_attn_scalar=32,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    # Q/K norms; sliding layers with their own rope base (the releases use llama.cpp's default
+    # of 10000 there, so another value shows whether the base travels); the full layers' rope
+    # scaled linearly, as in the 4B/12B/27B releases.
+    "gemma3_text": dict(num_hidden_layers=4, sliding_window=16, query_pre_attn_scalar=32,
+                        layer_types=["sliding_attention", "full_attention"] * 2,
+                        rope_parameters={
+                            "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                               "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 5e4}}),
+}
+
+
+# Phi-3 mini 4k's rope, and Phi-3.5 / 128k's LongRoPE: past 32 tokens (the "original" context
+# here) the long factors and the attention factor apply, in transformers as in llama.cpp at a
+# context of 512.
+PHI3_ROPES: dict[str, dict[str, object]] = {
+    "default": {},
+    "longrope": dict(max_position_embeddings=512, original_max_position_embeddings=32,
+                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                      "original_max_position_embeddings": 32,
+                                      "long_factor": [1.0 + 0.5 * i for i in range(8)],
+                                      "short_factor": [1.0 + 0.1 * i for i in range(8)]}),
+}
+
+
 def chat_rows() -> list[dict]:
     """The small chat data set of the tests (32 samples)."""
     return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}

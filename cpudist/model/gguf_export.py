@@ -65,12 +65,12 @@ class Architecture:
     norms_plus_one: bool = False
     # llama.cpp's Gemma and Gemma 2 graphs read token_embd as the output head: no lm_head travels.
     output_is_embedding: bool = False
-    # Whether a GGUF file of this architecture converts back (gguf_import): transformers' GGUF
-    # reader drops what Gemma 2/3 need (soft-capping, layer kinds, query scale).
+    # Whether a GGUF file of this llama.cpp architecture converts back to this class
+    # (gguf_import): one class per llama.cpp name; transformers reads no Gemma 1 GGUF metadata.
     importable: bool = True
 
 
-_GEMMA = dict(norms_plus_one=True, importable=False)
+_GEMMA = dict(norms_plus_one=True)
 ARCHITECTURES = {
     "LlamaForCausalLM": Architecture("LlamaForCausalLM", "llama", True, True),
     "Qwen2ForCausalLM": Architecture("Qwen2ForCausalLM", "qwen2", False, False),
@@ -80,7 +80,7 @@ ARCHITECTURES = {
     # Qwen2's layout plus RMS norms of Q and K per head (attn_q_norm / attn_k_norm).
     "Qwen3ForCausalLM": Architecture("Qwen3ForCausalLM", "qwen3", False, False),
     "GemmaForCausalLM": Architecture("GemmaForCausalLM", "gemma", False, False,
-                                     output_is_embedding=True, **_GEMMA),
+                                     output_is_embedding=True, importable=False, **_GEMMA),
     # Gemma 2: soft-capped attention and output logits, sliding-window layers, post-norms.
     "Gemma2ForCausalLM": Architecture("Gemma2ForCausalLM", "gemma2", False, False,
                                       output_is_embedding=True, **_GEMMA),
@@ -88,10 +88,11 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": Architecture("Gemma3ForCausalLM", "gemma3", False, False, **_GEMMA),
     # Gemma 3 4B/12B/27B: the same text model beside a vision tower; its text model is written,
     # as llama.cpp's converter writes it (the vision part is its separate mmproj file).
+    # A gemma3 GGUF holds the text model only, so it reads back as Gemma3ForCausalLM.
     "Gemma3ForConditionalGeneration": Architecture("Gemma3ForConditionalGeneration", "gemma3",
-                                                   False, False, **_GEMMA),
+                                                   False, False, importable=False, **_GEMMA),
     # Phi-3 / Phi-3.5 mini and medium: fused qkv_proj and gate_up_proj, LongRoPE for 128k.
-    "Phi3ForCausalLM": Architecture("Phi3ForCausalLM", "phi3", False, False, importable=False),
+    "Phi3ForCausalLM": Architecture("Phi3ForCausalLM", "phi3", False, False),
 }
 # Where multimodal checkpoints keep their text model: on disk "language_model.model.*" (the
 # released files), in transformers 5's modules and so in PEFT's adapters "model.language_model.*".
@@ -331,12 +332,17 @@ def _rope_tensors(arch: Architecture, config: dict[str, Any]) -> list[tuple[str,
 _LAST_FULL_SIZE_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
+def gemma_query_scalar(gguf_name: str, config: dict[str, Any]) -> int:
+    """The query_pre_attn_scalar llama.cpp assumes for a Gemma 2/3 of this size."""
+    big = config["num_hidden_layers"] == _LAST_FULL_SIZE_LAYERS[gguf_name]
+    return config["hidden_size"] // config["num_attention_heads"] if big else _head_dim(config)
+
+
 def _add_gemma_attention(writer: Any, arch: Architecture, config: dict[str, Any],
                          model_dir: Path) -> None:
     """Gemma 2/3: soft-capping, which layers slide and how far, their rope base, as llama.cpp's
     Gemma2Model / Gemma3Model write them; the layer kinds are written per layer."""
-    big = config["num_hidden_layers"] == _LAST_FULL_SIZE_LAYERS[arch.gguf_name]
-    assumed = config["hidden_size"] // config["num_attention_heads"] if big else _head_dim(config)
+    assumed = gemma_query_scalar(arch.gguf_name, config)
     if config.get("query_pre_attn_scalar", assumed) != assumed:
         raise UserError(f"{model_dir}/config.json: query_pre_attn_scalar "
                         f"{config['query_pre_attn_scalar']}, but llama.cpp scales this model's "

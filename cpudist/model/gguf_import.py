@@ -1,5 +1,6 @@
-"""Any GGUF file of a supported architecture (Llama, SmolLM2, Qwen2) as a base: `model.path=X.gguf`
-is converted once into the model cache as a plain Hugging Face directory of bf16 safetensors.
+"""Any GGUF file of a supported architecture (Llama, SmolLM2, Mistral, Qwen2/3, Gemma 2/3,
+Phi-3) as a base: `model.path=X.gguf` is converted once into the model cache as a plain Hugging
+Face directory of bf16 safetensors.
 
 The conversion streams: the GGUF file is mapped (gguf.GGUFReader), and each tensor is dequantized,
 un-permuted and written on its own, so a 7B GGUF converts in the memory of one tensor, not of the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ import torch
 
 from cpudist.errors import UserError
 from cpudist.files import file_lock, replacing
-from cpudist.model.gguf_export import ARCHITECTURES, llama3_rope_factors
+from cpudist.model.gguf_export import ARCHITECTURES, gemma_query_scalar, llama3_rope_factors
 from cpudist.model.safetensors_io import Spec, write_file, write_index
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,98 @@ def llama3_rope_parameters(factors: torch.Tensor, rope_theta: float, head_dim: i
                 return params
     raise UserError(f"model.path={file}: its rope_freqs tensor matches no Llama 3-style rope "
                     "scaling cpudist knows; use the Hugging Face directory of this model")
+
+
+@dataclass(frozen=True)
+class _GemmaDefaults:
+    """What llama.cpp assumes where a Gemma 2/3 file leaves a key out (models/gemma2.cpp,
+    gemma3.cpp, llama-hparams.h); llama.cpp's own converter writes none of the layer kinds."""
+
+    window: int  # 0: no sliding layers
+    full_every: int  # every n-th layer attends to the whole context
+    attn_softcap: float | None
+    final_softcap: float | None
+    sliding_rope_base: float | None  # None: the full layers' base
+
+
+_GEMMA_DEFAULTS = {"gemma2": _GemmaDefaults(4096, 2, 50.0, 30.0, None),
+                   "gemma3": _GemmaDefaults(0, 6, None, None, 10000.0)}
+
+
+def _gemma_attention(config: Any, fields: dict[str, Any], arch_name: str, file: Path) -> None:
+    """Soft-capping, which layers slide and how far, their rope bases and the query scale, from a
+    Gemma 2/3 file's keys (the inverse of gguf_export._add_gemma_attention); transformers' GGUF
+    reader leaves them at its own defaults, and the model would compute other logits."""
+    import gguf
+
+    def read(key: str, default: Any = None) -> Any:
+        field = fields.get(key.format(arch=arch_name))
+        return field.contents() if field is not None else default
+
+    defaults = _GEMMA_DEFAULTS[arch_name]
+    n_layer = config.num_hidden_layers
+    window = int(read(gguf.Keys.Attention.SLIDING_WINDOW, defaults.window))
+    pattern = read(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN, defaults.full_every)
+    if isinstance(pattern, list):
+        sliding = [bool(flag) for flag in pattern]
+    else:  # llama_hparams::set_swa_pattern
+        sliding = [pattern == 0 or layer % pattern < pattern - 1 for layer in range(n_layer)]
+    if not window:
+        sliding = [False] * n_layer
+    config.sliding_window = window or None
+    config.layer_types = ["sliding_attention" if flag else "full_attention" for flag in sliding]
+    if arch_name == "gemma2":
+        config.attn_logit_softcapping = float(read(gguf.Keys.LLM.ATTN_LOGIT_SOFTCAPPING,
+                                                   defaults.attn_softcap))
+    config.final_logit_softcapping = read(gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING,
+                                          defaults.final_softcap) or None
+    config.query_pre_attn_scalar = gemma_query_scalar(arch_name, config.to_dict())
+
+    full_base = float(read(gguf.Keys.Rope.FREQ_BASE, 10000.0))
+    sliding_base = float(read(gguf.Keys.Rope.FREQ_BASE_SWA, defaults.sliding_rope_base or full_base))
+    full = {"rope_type": "default", "rope_theta": full_base}
+    if str(read(gguf.Keys.Rope.SCALING_TYPE, "none")) == "linear":
+        full = {**full, "rope_type": "linear", "factor": float(read(gguf.Keys.Rope.SCALING_FACTOR))}
+    if arch_name == "gemma3":
+        config.rope_parameters = {"full_attention": full, "sliding_attention": {
+            "rope_type": "default", "rope_theta": sliding_base}}
+    elif sliding_base != full_base or full["rope_type"] != "default":
+        # transformers' Gemma 2 has one rope for both kinds of layer, unscaled.
+        raise UserError(f"model.path={file}: a Gemma 2 with rope scaling or a separate sliding rope "
+                        "base has no transformers equivalent; use its Hugging Face directory")
+    else:
+        config.rope_parameters = full
+
+
+def _phi3_rope(config: Any, fields: dict[str, Any], by_gguf: dict[str, Any]) -> None:
+    """Phi-3's rotated share of each head, original context, sliding window and LongRoPE factors
+    (tensors in the file), which transformers' GGUF reader leaves at its defaults (the inverse of
+    gguf_export._add_phi3_rope and _rope_tensors)."""
+    import gguf
+
+    def read(key: str, default: Any = None) -> Any:
+        field = fields.get(key.format(arch="phi3"))
+        return field.contents() if field is not None else default
+
+    head_dim = config.hidden_size // config.num_attention_heads
+    fraction = int(read(gguf.Keys.Rope.DIMENSION_COUNT, head_dim)) / head_dim
+    original = int(read(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN, config.max_position_embeddings))
+    rope: dict[str, Any] = {"rope_type": "default",
+                            "rope_theta": float(read(gguf.Keys.Rope.FREQ_BASE, 10000.0)),
+                            "partial_rotary_factor": fraction}
+    long_name, short_name = (gguf.TENSOR_NAMES[tensor] + ".weight" for tensor in
+                             (gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT))
+    if long_name in by_gguf:
+        rope.update(rope_type="longrope", original_max_position_embeddings=original,
+                    **{key: np.array(by_gguf[name].data, dtype=np.float32).flatten().tolist()
+                       for key, name in (("long_factor", long_name), ("short_factor", short_name))})
+        if (factor := read(gguf.Keys.Rope.SCALING_ATTN_FACTOR)) is not None:
+            rope["attention_factor"] = float(factor)
+    config.rope_parameters = rope
+    config.partial_rotary_factor = fraction
+    config.original_max_position_embeddings = original
+    # llama.cpp's converter writes the model's window, its graph drops it; transformers applies it.
+    config.sliding_window = int(read(gguf.Keys.Attention.SLIDING_WINDOW, 0)) or None
 
 
 def _reader(file: Path) -> Any:
@@ -122,6 +216,12 @@ def _convert(file: Path, target: Path) -> None:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         config.rope_parameters = {**rope, **llama3_rope_parameters(
             factors.flatten(), float(rope.get("rope_theta", 10000.0)), head_dim, file)}
+    if arch_name in _GEMMA_DEFAULTS:
+        _gemma_attention(config, reader.fields, arch_name, file)
+    elif arch_name == "phi3":
+        _phi3_rope(config, reader.fields, by_gguf)
+    # Gemma 3 files keep only the rows of real tokens (llama.cpp's converter drops the padding).
+    config.vocab_size = int(by_gguf["token_embd.weight"].shape[-1])
     config.architectures = [arch.hf_name]
     for key in ("quantization_config", "_name_or_path"):
         if hasattr(config, key):
@@ -150,6 +250,8 @@ def _convert(file: Path, target: Path) -> None:
         # A copy: the reader maps the file read-only, and F32/F16 tensors come back as views of it.
         values = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type)))
         values = values.reshape(shape)
+        if arch.norms_plus_one and hf_name.endswith("norm.weight"):
+            values = values - 1  # llama.cpp's Gemma norms scale by weight, transformers' by 1 + weight
         if arch.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             values = unpermute_qk(values, n_head, n_head)
         elif arch.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):

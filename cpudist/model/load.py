@@ -78,7 +78,8 @@ def resolve_model_path(config: ModelConfig) -> Path:
     if not path.exists():
         raise UserError(
             f"model.path={config.path!r}: directory not found. Use a local Hugging Face model "
-            f"directory, a .gguf file (Llama, Qwen2) or a built-in model ({', '.join(BUILTIN_MODELS)})"
+            "directory, a .gguf file (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3) or a built-in "
+            f"model ({', '.join(BUILTIN_MODELS)})"
         )
     if not (path / "config.json").is_file():
         raise UserError(

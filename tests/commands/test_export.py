@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
 from cpudist.cli import main
 from cpudist.model.gguf_export import permute_qk, read_adapter
+from tests.helpers import GEMMA_FEATURES, PHI3_ROPES
 
 
 def _peft_adapter(base: Path, out: Path, **lora: object) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -317,7 +319,8 @@ def test_bad_gguf_files_get_one_line_errors(tiny_llama: Path, tmp_path: Path) ->
 
 
 def test_gemma_exports_that_llama_cpp_would_compute_differently_are_refused(
-        tiny_gemma2: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tiny_gemma: Path, tiny_gemma2: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
     import json
     import shutil
 
@@ -334,8 +337,94 @@ def test_gemma_exports_that_llama_cpp_would_compute_differently_are_refused(
     assert main(["export", "--base", str(other), "--out", str(tmp_path / "x.gguf")]) != 0
     assert "query_pre_attn_scalar 256" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists()
-    # A Gemma GGUF does not convert back: transformers' reader would drop its soft-capping.
-    file = tmp_path / "gemma2.gguf"
-    assert main(["export", "--base", str(tiny_gemma2), "--out", str(file), "--type", "f32"]) == 0
-    with pytest.raises(UserError, match="'gemma2' is not supported as a base"):
+    # Gemma 1 GGUF files do not convert back: transformers reads none of their metadata.
+    file = tmp_path / "gemma.gguf"
+    assert main(["export", "--base", str(tiny_gemma), "--out", str(file), "--type", "f32"]) == 0
+    with pytest.raises(UserError, match="'gemma' is not supported as a base; supported: .*gemma2"):
         resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache")))
+
+
+def _without_keys(source: Path, target: Path, dropped: tuple[str, ...]) -> Path:
+    """A copy of an f32 GGUF file without some of its keys."""
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(target, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in dropped:
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+# GGUF bases, each with its own features sized to change the logits of a 64-token text:
+# kind -> (model type, tokenizer fixture, config, llama.cpp keys dropped from the file).
+_GGUF_BASES: dict[str, tuple[str, str, dict[str, object], tuple[str, ...]]] = {
+    "gemma2": ("gemma2", "gemma_tokenizer_dir", GEMMA_FEATURES["gemma2"], ()),
+    "gemma3": ("gemma3_text", "gemma_tokenizer_dir", GEMMA_FEATURES["gemma3_text"], ()),
+    # As llama.cpp's own converter writes the releases: no layer kinds and no sliding rope base,
+    # so llama.cpp's defaults (every other layer slides in Gemma 2, five in six in Gemma 3, whose
+    # sliding layers turn at 10000).
+    "gemma2-as-released": ("gemma2", "gemma_tokenizer_dir", GEMMA_FEATURES["gemma2"],
+                           (gguf.Keys.Attention.SLIDING_WINDOW_PATTERN, gguf.Keys.Rope.FREQ_BASE_SWA)),
+    "gemma3-as-released": ("gemma3_text", "gemma_tokenizer_dir", {
+        **{key: value for key, value in GEMMA_FEATURES["gemma3_text"].items()
+           if key not in ("layer_types", "rope_parameters")}, "num_hidden_layers": 6},
+        (gguf.Keys.Attention.SLIDING_WINDOW_PATTERN, gguf.Keys.Rope.FREQ_BASE_SWA)),
+    # Half of each head rotated, a 16-token window (Phi-3 mini 4k has 2047).
+    "phi3": ("phi3", "spm_tokenizer_dir", dict(partial_rotary_factor=0.5, sliding_window=16), ()),
+    "phi3-longrope": ("phi3", "spm_tokenizer_dir", PHI3_ROPES["longrope"], ()),
+    "phi3-longrope-attention-factor": ("phi3", "spm_tokenizer_dir", {
+        **PHI3_ROPES["longrope"], "rope_parameters": {
+            **PHI3_ROPES["longrope"]["rope_parameters"], "attention_factor": 1.5}}, ()),  # type: ignore[dict-item]
+}
+
+
+@pytest.mark.parametrize("case", _GGUF_BASES)
+def test_gguf_bases_compute_the_original_logits(case: str, request: pytest.FixtureRequest,
+                                                tmp_path: Path) -> None:
+    """A Gemma 2/3 or Phi-3 GGUF reads back to a model that computes the original's logits (its
+    weights rounded to bf16): Gemma's soft caps, which layers slide and how far, both rope bases,
+    the full layers' linear rope scaling, norms of (1 + weight) and query scale; Phi-3's partial
+    rotation, window and LongRoPE; also from a file with only the keys llama.cpp's converter
+    writes. transformers' GGUF reader alone computes other logits, and splits text the same."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from cpudist.config import ModelConfig
+    from cpudist.model.load import resolve_model_path
+    from tests.helpers import chatterbot_lines, make_tiny_model
+
+    kind, tokenizer_fixture, features, dropped = _GGUF_BASES[case]
+    extra = {"head_dim": 32} if kind.startswith("gemma") else {"pad_token_id": 0}
+    base = make_tiny_model(kind, request.getfixturevalue(tokenizer_fixture), tmp_path / "base",
+                           initializer_range=0.2, **extra, **features)
+    file = tmp_path / "model.gguf"
+    assert main(["export", "--base", str(base), "--out", str(file), "--type", "f32"]) == 0
+    if dropped:
+        arch = gguf.GGUFReader(file).fields["general.architecture"].contents()
+        file = _without_keys(file, tmp_path / "released.gguf",
+                             tuple(key.format(arch=arch) for key in dropped))
+    converted = resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache")))
+
+    ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(0))
+    original = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    for param in original.parameters():
+        param.data = param.data.to(torch.bfloat16).float()
+    expected = original(ids).logits.detach()
+    back = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+    assert type(back) is type(original)
+    torch.testing.assert_close(back(ids).logits.detach(), expected, rtol=1e-4, atol=1e-4)
+    readers_own = AutoModelForCausalLM.from_pretrained(
+        converted, config=AutoConfig.from_pretrained(file.parent, gguf_file=file.name),
+        dtype=torch.float32)
+    assert (readers_own(ids).logits.detach() - expected).abs().max() > 0.1
+
+    tokenizer, tokenizer_back = AutoTokenizer.from_pretrained(base), AutoTokenizer.from_pretrained(converted)
+    assert not [line for line in chatterbot_lines("english", tmp_path)
+                if tokenizer(line).input_ids != tokenizer_back(line).input_ids]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import cpudist_cmd, run, tiny_overrides, write_jsonl
+from tests.helpers import GEMMA_FEATURES, PHI3_ROPES, cpudist_cmd, run, tiny_overrides, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -293,23 +293,7 @@ def test_wide_heads_run_in_llama_cpp_as_in_transformers(kind: str, tokenizer_dir
     assert np.abs(_cpp_logits(_llama(file), ids) - expected).max() < 0.01 * np.abs(expected).max()
 
 
-# Each Gemma's own features, sized so that each one changes the logits of a 64-token text.
-GEMMA_SHAPES: dict[str, dict[str, object]] = {
-    "gemma": {},
-    # Soft-capped attention and output logits; every other layer slides over 16 tokens.
-    "gemma2": dict(num_hidden_layers=4, sliding_window=16, query_pre_attn_scalar=32,
-                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
-    # Q/K norms; sliding layers with their own rope base (the releases use llama.cpp's default
-    # of 10000 there, so another value shows whether the base travels).
-    "gemma3_text": dict(num_hidden_layers=4, sliding_window=16, query_pre_attn_scalar=32,
-                        layer_types=["sliding_attention", "full_attention"] * 2,
-                        rope_parameters={
-                            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 5e4}}),
-}
-
-
-@pytest.mark.parametrize("kind", GEMMA_SHAPES)
+@pytest.mark.parametrize("kind", GEMMA_FEATURES)
 def test_gemma_family_runs_in_llama_cpp_as_in_transformers(kind: str, gemma_tokenizer_dir: Path,
                                                             tmp_path: Path) -> None:
     """Gemma 1/2/3 with a SentencePiece vocabulary made as theirs: llama.cpp splits text as
@@ -322,7 +306,7 @@ def test_gemma_family_runs_in_llama_cpp_as_in_transformers(kind: str, gemma_toke
     from tests.helpers import chatterbot_lines, make_tiny_model
 
     base = make_tiny_model(kind, gemma_tokenizer_dir, tmp_path / kind, head_dim=32,
-                           initializer_range=0.2, **GEMMA_SHAPES[kind])
+                           initializer_range=0.2, **GEMMA_FEATURES[kind])
     adapter, _ = _peft_adapter(base, tmp_path / "adapter")
     _check_adapter_exports(base, adapter, tmp_path, length=64)
     llm = _llama(tmp_path / "base.gguf")
@@ -332,19 +316,6 @@ def test_gemma_family_runs_in_llama_cpp_as_in_transformers(kind: str, gemma_toke
     assert not [text for text in texts  # type: ignore[attr-defined]
                 if llm.tokenize(text.encode(), add_bos=False) != reference.encode(text)]
     assert llm.tokenize(b"Hi")[0] == reference.bos_id()  # type: ignore[attr-defined]
-
-
-# Phi-3 mini 4k's rope, and Phi-3.5 / 128k's LongRoPE: past 32 tokens (the "original" context
-# here) the long factors and the attention factor apply, in transformers as in llama.cpp at a
-# context of 512.
-PHI3_ROPES: dict[str, dict[str, object]] = {
-    "default": {},
-    "longrope": dict(max_position_embeddings=512, original_max_position_embeddings=32,
-                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                                      "original_max_position_embeddings": 32,
-                                      "long_factor": [1.0 + 0.5 * i for i in range(8)],
-                                      "short_factor": [1.0 + 0.1 * i for i in range(8)]}),
-}
 
 
 @pytest.mark.parametrize("rope", PHI3_ROPES)
