@@ -154,6 +154,30 @@ def _phi3_rope(config: Any, fields: dict[str, Any], by_gguf: dict[str, Any]) -> 
     config.sliding_window = int(read(gguf.Keys.Attention.SLIDING_WINDOW, 0)) or None
 
 
+# Elements dequantized per step: gguf's dequantize makes several fp32 temporaries the size of its
+# input, which for a whole 256k-row embedding (Gemma) would take gigabytes at once.
+_DEQUANTIZE_ELEMENTS = 1 << 24
+
+
+def _dequantized(tensor: Any, shift: float = 0.0) -> torch.Tensor:
+    """A GGUF tensor in bf16 (in the file's numpy layout), dequantized a slice of rows at a time,
+    plus shift (added in fp32)."""
+    import gguf
+
+    data = tensor.data
+    rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
+    step = max(1, _DEQUANTIZE_ELEMENTS // rows.shape[-1])
+    out = torch.empty(0)
+    for start in range(0, rows.shape[0], step):
+        # A copy: the reader maps the file read-only, and F32/F16 tensors come back as views of it.
+        part = torch.from_numpy(np.array(gguf.quants.dequantize(rows[start:start + step],
+                                                                tensor.tensor_type), dtype=np.float32))
+        if start == 0:
+            out = torch.empty((rows.shape[0], part.shape[-1]), dtype=torch.bfloat16)
+        out[start:start + part.shape[0]] = part + shift
+    return out
+
+
 def _reader(file: Path) -> Any:
     import gguf
 
@@ -247,16 +271,14 @@ def _convert(file: Path, target: Path) -> None:
 
     def make(hf_name: str) -> torch.Tensor:
         tensor, shape = sources[hf_name]
-        # A copy: the reader maps the file read-only, and F32/F16 tensors come back as views of it.
-        values = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type)))
-        values = values.reshape(shape)
-        if arch.norms_plus_one and hf_name.endswith("norm.weight"):
-            values = values - 1  # llama.cpp's Gemma norms scale by weight, transformers' by 1 + weight
+        # llama.cpp's Gemma norms scale by weight, transformers' by 1 + weight.
+        shift = -1.0 if arch.norms_plus_one and hf_name.endswith("norm.weight") else 0.0
+        values = _dequantized(tensor, shift).reshape(shape)
         if arch.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             values = unpermute_qk(values, n_head, n_head)
         elif arch.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             values = unpermute_qk(values, n_head, n_head_kv)
-        return values.to(torch.bfloat16)
+        return values
 
     shards: list[dict[str, Spec]] = [{}]
     size = 0
