@@ -97,6 +97,36 @@ def save_sentencepiece_tokenizer(target: Path, lines: list[str], style: str = "l
     return target
 
 
+# The split rule of GPT-4o's o200k vocabulary (Phi-4 mini, Llama 4), as its tokenizer.json holds it.
+GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def save_gpt4o_style_tokenizer(target: Path, lines: list[str]) -> Path:
+    """A byte-level BPE tokenizer made as Phi-4 mini's (GPT-4o's split rule, then bytes; its
+    special tokens), trained on lines and saved as transformers saves it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(GPT4O_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=1200, special_tokens=special, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>",
+                                        eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
+                               "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tokenizer.save_pretrained(target)
+    return target
+
+
 # Each Gemma's own features, sized so that each one changes the logits of a 64-token text
 # (with head_dim=32 and initializer_range=0.2).
 GEMMA_FEATURES: dict[str, dict[str, object]] = {

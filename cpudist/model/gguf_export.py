@@ -136,6 +136,11 @@ _SPLIT_RULES = {
     r"|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
+    # GPT-4o's o200k rule (Phi-4 mini, Llama 4): letters split by case, "/" kept with punctuation.
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+": "gpt-4o",
 }
 
 
@@ -407,7 +412,7 @@ def _gpt2_pre_tokenizer(tokenizer: Any, spec: dict[str, Any], model_dir: Path) -
     if pre is None:
         raise UserError(f"{model_dir}/tokenizer.json: its pre-tokenizer is not one llama.cpp knows for "
                         f"the supported families (check hash {digest[:16]}); byte-level BPE export "
-                        "works for Llama 3, Qwen2/3 and SmolLM tokenizers")
+                        "works for Llama 3, Qwen2/3, SmolLM and GPT-4o-style (Phi-4 mini) tokenizers")
     return pre
 
 

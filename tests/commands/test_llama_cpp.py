@@ -336,6 +336,42 @@ def test_phi3_runs_in_llama_cpp_as_in_transformers(rope: str, spm_tokenizer_dir:
     _check_adapter_exports(base, adapter, tmp_path, length=48)
 
 
+def test_phi4_mini_with_a_gpt4o_style_vocabulary_runs_in_llama_cpp_as_in_transformers(
+        tmp_path: Path) -> None:
+    """Phi-4 mini: Phi-3's layout with a quarter of each head unrotated, tied embeddings and a
+    byte-level vocabulary split by GPT-4o's rule. llama.cpp splits text as the tokenizer does
+    (letters by case, which Llama 3's rule would not) and computes transformers' logits, merged
+    and with the LoRA file; the file reads back as a base whose tokenizer splits the same."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from cpudist.config import ModelConfig
+    from cpudist.model.load import resolve_model_path
+    from tests.commands.test_export import _peft_adapter
+    from tests.helpers import chatterbot_lines, make_tiny_model, save_gpt4o_style_tokenizer
+
+    lines = [*chatterbot_lines("english", tmp_path), *chatterbot_lines("chinese", tmp_path)]
+    tokenizer_dir = save_gpt4o_style_tokenizer(tmp_path / "tokenizer", lines)
+    base = make_tiny_model("phi3", tokenizer_dir, tmp_path / "small", initializer_range=0.2,
+                           partial_rotary_factor=0.75, pad_token_id=0)
+    adapter, _ = _peft_adapter(base, tmp_path / "run" / "adapter",
+                               target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    _check_adapter_exports(base, adapter, tmp_path, length=48)
+    assert gguf.GGUFReader(tmp_path / "base.gguf").fields["tokenizer.ggml.pre"].contents() == "gpt-4o"
+
+    texts = [*dict.fromkeys(lines), *TRICKY_TEXTS, "HelloWorld isn't ALLCAPSWord, a/b//c\n"]
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    expected = {text: tokenizer(text, add_special_tokens=False).input_ids for text in texts}
+    llm = _llama(tmp_path / "base.gguf")
+    assert not [text for text in texts  # type: ignore[attr-defined]
+                if llm.tokenize(text.encode(), add_bos=False) != expected[text]]
+    converted = resolve_model_path(ModelConfig(path=str(tmp_path / "base.gguf"),
+                                               cache_dir=str(tmp_path / "cache")))
+    back = AutoTokenizer.from_pretrained(converted)
+    assert not [text for text in texts
+                if back(text, add_special_tokens=False).input_ids != expected[text]]
+
+
 def _check_adapter_exports(base: Path, adapter: Path, tmp_path: Path, length: int) -> None:
     """Export base + adapter merged, the base alone and the LoRA file (f32): llama.cpp computes
     transformers + PEFT's logits on a random text of `length` tokens with the merged file, the
