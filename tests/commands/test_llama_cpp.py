@@ -372,6 +372,45 @@ def test_phi4_mini_with_a_gpt4o_style_vocabulary_runs_in_llama_cpp_as_in_transfo
                 if back(text, add_special_tokens=False).input_ids != expected[text]]
 
 
+def test_a_gguf_base_trains_and_its_lora_file_runs_on_that_gguf_in_llama_cpp(
+        gemma_tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A user's own GGUF model (a Gemma 3 with its features sized to matter) as the base of
+    `cpudist train`, then `cpudist export --lora`: llama.cpp runs that same file with the LoRA
+    file and computes the logits transformers + PEFT compute on the converted base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import chat_rows, make_tiny_model
+
+    hf_dir = make_tiny_model("gemma3_text", gemma_tokenizer_dir, tmp_path / "hf", head_dim=32,
+                             initializer_range=0.2, **GEMMA_FEATURES["gemma3_text"])
+    users_file = tmp_path / "model-f32.gguf"
+    result = run([*cpudist_cmd(), "export", "--base", hf_dir, "--type", "f32", "--out", users_file])
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "run"
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
+    result = run([*cpudist_cmd(), "train", *tiny_overrides(
+        users_file, data, out, lora__alpha=64, model__cache_dir=tmp_path / "cache")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    lora_file = tmp_path / "lora.gguf"
+    result = run([*cpudist_cmd(), "export", "--adapter", out / "adapter", "--lora", "--type", "f32",
+                  "--out", lora_file])
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    converted = Path(json.loads((out / "adapter" / "adapter_config.json").read_text())
+                     ["base_model_name_or_path"])
+    assert converted.parent == tmp_path / "cache" / "gguf"
+    ids = torch.randint(10, 600, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32), out / "adapter").eval()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].double().numpy()
+    with_lora = _cpp_logits(_llama(users_file, lora=lora_file), ids)
+    error = np.abs(with_lora - expected).max()
+    assert error < 0.01 * np.abs(expected).max(), (error, np.abs(expected).max())
+    assert np.abs(_cpp_logits(_llama(users_file), ids) - with_lora).max() > 10 * error
+
+
 def _check_adapter_exports(base: Path, adapter: Path, tmp_path: Path, length: int) -> None:
     """Export base + adapter merged, the base alone and the LoRA file (f32): llama.cpp computes
     transformers + PEFT's logits on a random text of `length` tokens with the merged file, the
