@@ -17,6 +17,7 @@ from typing import Any
 from cpudist.config import Config
 from cpudist.data.tokenize import build_datasets
 from cpudist.errors import UserError
+from cpudist.model.quantize import QuantizedLinear
 from cpudist.report.console import Progress
 from cpudist.report.metrics import MetricsLog
 from cpudist.runtime.allocator import in_use as allocator_in_use
@@ -225,7 +226,10 @@ def _log_setup(engine: Engine) -> None:
     session, tc = engine.session, engine.config.train
     log.info("model: %s; dtype %s", session.model_dir, session.precision.describe())
     n_train = sum(p.numel() for _, p in engine.params)
-    n_total = sum(p.numel() for p in session.model.parameters())
+    # A quantized base keeps its frozen linears in buffers: count the weights they stand for.
+    n_total = sum(p.numel() for p in session.model.parameters()) + sum(
+        m.in_features * m.out_features for m in session.model.modules()
+        if isinstance(m, QuantizedLinear))
     log.info("LoRA: %s trainable parameters of %s (%.2f%%)", f"{n_train:,}", f"{n_total:,}",
              100 * n_train / n_total)
     log.info("data: %s", engine.data.description)

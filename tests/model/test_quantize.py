@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -152,7 +153,7 @@ def test_smollm2_trained_on_a_quantized_base_ends_near_the_bf16_run(smol_dir: Pa
     so at 32 they survive int4, at the default 64 the 40-step run ends 6.8 % higher."""
     from tests.helpers import REPO, cpudist_cmd, run
 
-    losses = {}
+    losses, totals = {}, set()
     for method in ("none", "int8", "int4"):
         out = tmp_path / method
         done = run([*cpudist_cmd(), "train", REPO / "configs" / "quickstart.yaml",
@@ -163,5 +164,7 @@ def test_smollm2_trained_on_a_quantized_base_ends_near_the_bf16_run(smol_dir: Pa
                     f"model.cache_dir={smol_dir.parent}", f"data.cache_dir={tmp_path / 'data'}"])
         assert done.returncode == 0, done.stderr[-3000:]
         losses[method] = json.loads((out / "summary.json").read_text())["val_loss_after"]
+        totals.add(re.search(r"trainable parameters of ([\d,]+)", done.stdout).group(1))  # type: ignore[union-attr]
+    assert len(totals) == 1, totals  # quantized weights still count as the model's parameters
     assert losses["int8"] == pytest.approx(losses["none"], rel=0.03), losses
     assert losses["int4"] == pytest.approx(losses["none"], rel=0.06), losses
