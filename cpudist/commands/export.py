@@ -15,7 +15,8 @@ HELP = "write a GGUF file for llama.cpp / Ollama: merged model, base alone, or L
 DESCRIPTION = (
     "Without --adapter: the base alone. With --adapter: base and adapter merged into one model, or "
     "with --lora the adapter alone as a GGUF LoRA file that llama.cpp applies on top of the base's "
-    "GGUF (`llama-cli -m base.gguf --lora adapter.gguf`). Llama (SmolLM2) and Qwen2 architectures.")
+    "GGUF (`llama-cli -m base.gguf --lora adapter.gguf`). Architectures: Llama (SmolLM2), Mistral, "
+    "Qwen2/3, Gemma 1/2/3 (the text model of Gemma 3 with vision), Phi-3 and Phi-4 mini.")
 
 
 # The GGUF weight types written (cpudist.model.gguf_export.FILE_TYPES maps them to gguf's; listed
