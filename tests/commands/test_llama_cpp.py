@@ -411,6 +411,35 @@ def test_a_gguf_base_trains_and_its_lora_file_runs_on_that_gguf_in_llama_cpp(
     assert np.abs(_cpp_logits(_llama(users_file), ids) - with_lora).max() > 10 * error
 
 
+@pytest.mark.parametrize("ftype", ["LLAMA_FTYPE_MOSTLY_Q4_K_M", "LLAMA_FTYPE_MOSTLY_IQ4_XS"])
+def test_k_and_i_quant_gguf_files_read_back_to_the_model_llama_cpp_runs(
+        ftype: str, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """The kinds of file most people download (Q4_K_M, IQ4_XS: K- and I-quant blocks, Q6_K for
+    some tensors), made by llama.cpp's own quantizer from a Llama (Q/K rows permuted) whose rows
+    fill those 256-wide blocks: as a base, the model computes llama.cpp's logits on that file, to
+    a small part of what the quantization itself changes."""
+    from cpudist.config import ModelConfig
+    from cpudist.model.load import resolve_model_path
+    from tests.helpers import make_tiny_model
+
+    base = make_tiny_model("llama", tokenizer_dir, tmp_path / "small", hidden_size=256,
+                           intermediate_size=512, initializer_range=0.05)
+    f32 = tmp_path / "small-f32.gguf"
+    result = run([*cpudist_cmd(), "export", "--base", base, "--type", "f32", "--out", f32])
+    assert result.returncode == 0, result.stderr[-3000:]
+    quantized = tmp_path / "small-quantized.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, ftype)
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(quantized).encode(), params) == 0
+    converted = resolve_model_path(ModelConfig(path=str(quantized), cache_dir=str(tmp_path / "cache")))
+
+    ids = torch.randint(100, 40000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    expected = _cpp_logits(_llama(quantized), ids)
+    error = np.abs(_transformers_logits(converted, ids) - expected).max()
+    quantization = np.abs(_transformers_logits(base, ids) - expected).max()
+    assert error < 0.05 * np.abs(expected).max() and error < 0.25 * quantization, (error, quantization)
+
+
 def _check_adapter_exports(base: Path, adapter: Path, tmp_path: Path, length: int) -> None:
     """Export base + adapter merged, the base alone and the LoRA file (f32): llama.cpp computes
     transformers + PEFT's logits on a random text of `length` tokens with the merged file, the
