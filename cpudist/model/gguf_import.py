@@ -21,7 +21,12 @@ import torch
 
 from cpudist.errors import UserError
 from cpudist.files import file_lock, replacing
-from cpudist.model.gguf_export import ARCHITECTURES, gemma_query_scalar, llama3_rope_factors
+from cpudist.model.gguf_export import (
+    ARCHITECTURES,
+    Architecture,
+    gemma_query_scalar,
+    llama3_rope_factors,
+)
 from cpudist.model.safetensors_io import Spec, write_file, write_index
 
 log = logging.getLogger(__name__)
@@ -208,11 +213,17 @@ def convert_gguf(file: Path, cache_dir: Path) -> Path:
     return target
 
 
-def _convert(file: Path, target: Path) -> None:
-    import gguf
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def gguf_config(file: Path) -> Any:
+    """The Hugging Face config a GGUF file converts to, from its metadata alone (what `cpudist
+    plan` needs before any conversion)."""
+    return _hf_config(_reader(file), file)[0]
 
-    reader = _reader(file)
+
+def _hf_config(reader: Any, file: Path) -> tuple[Any, Architecture]:
+    """The file's Hugging Face config and architecture: transformers' GGUF reader, then what it
+    leaves out or at its defaults, read from the file."""
+    from transformers import AutoConfig
+
     arch_field = reader.fields.get("general.architecture")
     arch_name = arch_field.contents() if arch_field is not None else "(none)"
     importable = [a for a in ARCHITECTURES.values() if a.importable]
@@ -222,10 +233,8 @@ def _convert(file: Path, target: Path) -> None:
                         f"base; supported: {', '.join(dict.fromkeys(a.gguf_name for a in importable))}. "
                         "Use the model's Hugging Face directory instead")
     by_gguf = {t.name: t for t in reader.tensors}
-    log.info("converting %s into %s (one time, tensor by tensor to bf16)", file, target)
     try:
         config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
-        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"model.path={file}: transformers cannot read its metadata "
                         f"({str(exc).splitlines()[0][:160]})") from None
@@ -251,6 +260,22 @@ def _convert(file: Path, target: Path) -> None:
         if hasattr(config, key):
             delattr(config, key)
     config.dtype = torch.bfloat16
+    return config, arch
+
+
+def _convert(file: Path, target: Path) -> None:
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reader = _reader(file)
+    config, arch = _hf_config(reader, file)
+    by_gguf = {t.name: t for t in reader.tensors}
+    log.info("converting %s into %s (one time, tensor by tensor to bf16)", file, target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"model.path={file}: transformers cannot read its tokenizer "
+                        f"({str(exc).splitlines()[0][:160]})") from None
     # The HF names this config's model has, mapped to their llama.cpp names (the inverse of
     # what export writes).
     with torch.device("meta"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cpudist.config import Config
@@ -77,11 +78,20 @@ def model_parts(config: Config) -> Parts:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from cpudist.model.gguf_import import gguf_cache_dir, gguf_config
     from cpudist.model.load import attention_implementation, resolve_model_path
 
-    path = resolve_model_path(config.model)
+    path = Path(config.model.path).expanduser()
+    cache = Path(config.model.cache_dir).expanduser()
     try:
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
+        if (path.suffix == ".gguf" and path.is_file()
+                and not (gguf_cache_dir(path, cache) / "config.json").is_file()):
+            # The config alone, from the file's metadata: converting a 9B file first would take
+            # minutes and its size in bf16 on disk, before the plan says whether it fits.
+            hf_config = gguf_config(path)
+        else:
+            path = resolve_model_path(config.model)
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
         with init_empty_weights(include_buffers=True):
             model = AutoModelForCausalLM.from_config(
                 hf_config, trust_remote_code=config.model.trust_remote_code)

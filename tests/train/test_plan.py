@@ -88,6 +88,21 @@ def test_a_plan_that_does_not_fit_says_what_would(tiny_qwen: Path,
     assert not plan.fits and plan.advice[0] == "model.gradient_checkpointing=true"
 
 
+def test_a_gguf_file_is_planned_from_its_metadata_without_converting_it(tiny_gemma2: Path,
+                                                                          tmp_path: Path) -> None:
+    """A GGUF base is planned as the model it converts to (Gemma 2 here: eager attention, tied
+    head), with nothing written into the model cache."""
+    from cpudist.cli import main
+
+    file = tmp_path / "gemma2.gguf"
+    assert main(["export", "--base", str(tiny_gemma2), "--out", str(file), "--type", "q8_0"]) == 0
+    cache = tmp_path / "cache"
+    from_file = model_parts(_config(file, f"model.cache_dir={cache}"))
+    assert not cache.exists()
+    assert from_file == model_parts(_config(tiny_gemma2))
+    assert from_file.eager_attention and from_file.tied
+
+
 def test_plan_command_prints_and_writes_json(tiny_qwen: Path, tmp_path: Path) -> None:
     done = run([*cpudist_cmd(), "plan", f"model.path={tiny_qwen}", "--ranks-per-node", "2",
                 "--json", "-"], timeout=120)
