@@ -101,9 +101,10 @@ def _gemma_attention(config: Any, fields: dict[str, Any], arch_name: str, file: 
         sliding = [bool(flag) for flag in pattern]
     else:  # llama_hparams::set_swa_pattern
         sliding = [pattern == 0 or layer % pattern < pattern - 1 for layer in range(n_layer)]
-    if not window:
+    if window:
+        config.sliding_window = window
+    else:  # transformers still wants a window (its mask builder), which no layer then uses
         sliding = [False] * n_layer
-    config.sliding_window = window or None
     config.layer_types = ["sliding_attention" if flag else "full_attention" for flag in sliding]
     if arch_name == "gemma2":
         config.attn_logit_softcapping = float(read(gguf.Keys.LLM.ATTN_LOGIT_SOFTCAPPING,

@@ -337,6 +337,14 @@ def test_gemma_exports_that_llama_cpp_would_compute_differently_are_refused(
     assert main(["export", "--base", str(other), "--out", str(tmp_path / "x.gguf")]) != 0
     assert "query_pre_attn_scalar 256" in capsys.readouterr().err
     assert not (tmp_path / "x.gguf").exists()
+    # A Gemma 2 file whose sliding layers turn at their own rope base: transformers' Gemma 2
+    # has one rope for both kinds of layer.
+    plain = tmp_path / "gemma2.gguf"
+    assert main(["export", "--base", str(tiny_gemma2), "--out", str(plain), "--type", "f32"]) == 0
+    swa_base = gguf.Keys.Rope.FREQ_BASE_SWA.format(arch="gemma2")
+    other_base = _rewritten(plain, tmp_path / "gemma2-swa-base.gguf", (swa_base,), {swa_base: 5e4})
+    with pytest.raises(UserError, match="swa-base.gguf: a Gemma 2 with rope scaling or a separate"):
+        resolve_model_path(ModelConfig(path=str(other_base), cache_dir=str(tmp_path / "cache")))
     # Gemma 1 GGUF files do not convert back: transformers reads none of their metadata.
     file = tmp_path / "gemma.gguf"
     assert main(["export", "--base", str(tiny_gemma), "--out", str(file), "--type", "f32"]) == 0
@@ -344,8 +352,9 @@ def test_gemma_exports_that_llama_cpp_would_compute_differently_are_refused(
         resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache")))
 
 
-def _without_keys(source: Path, target: Path, dropped: tuple[str, ...]) -> Path:
-    """A copy of an f32 GGUF file without some of its keys."""
+def _rewritten(source: Path, target: Path, dropped: tuple[str, ...] = (),
+               added: dict[str, float] | None = None) -> Path:
+    """A copy of an f32 GGUF file without some of its keys, with some float keys added."""
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(target, arch)
@@ -354,6 +363,8 @@ def _without_keys(source: Path, target: Path, dropped: tuple[str, ...]) -> Path:
             continue
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for key, value in (added or {}).items():
+        writer.add_key_value(key, value, gguf.GGUFValueType.FLOAT32)
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, np.array(tensor.data))
     writer.write_header_to_file()
@@ -377,6 +388,9 @@ _GGUF_BASES: dict[str, tuple[str, str, dict[str, object], tuple[str, ...]]] = {
         **{key: value for key, value in GEMMA_FEATURES["gemma3_text"].items()
            if key not in ("layer_types", "rope_parameters")}, "num_hidden_layers": 6},
         (gguf.Keys.Attention.SLIDING_WINDOW_PATTERN, gguf.Keys.Rope.FREQ_BASE_SWA)),
+    # No sliding layers: the file has no window, and no layer slides.
+    "gemma3-no-sliding": ("gemma3_text", "gemma_tokenizer_dir", {
+        **GEMMA_FEATURES["gemma3_text"], "layer_types": ["full_attention"] * 4}, ()),
     # Half of each head rotated, a 16-token window (Phi-3 mini 4k has 2047).
     "phi3": ("phi3", "spm_tokenizer_dir", dict(partial_rotary_factor=0.5, sliding_window=16), ()),
     "phi3-longrope": ("phi3", "spm_tokenizer_dir", PHI3_ROPES["longrope"], ()),
@@ -408,7 +422,7 @@ def test_gguf_bases_compute_the_original_logits(case: str, request: pytest.Fixtu
     assert main(["export", "--base", str(base), "--out", str(file), "--type", "f32"]) == 0
     if dropped:
         arch = gguf.GGUFReader(file).fields["general.architecture"].contents()
-        file = _without_keys(file, tmp_path / "released.gguf",
+        file = _rewritten(file, tmp_path / "released.gguf",
                              tuple(key.format(arch=arch) for key in dropped))
     converted = resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache")))
 
