@@ -67,6 +67,14 @@ PRESETS: dict[str, Preset] = {
         sliding_window=512, max_position_embeddings=32768, rms_norm_eps=1e-6,
         tie_word_embeddings=True),
         "google/gemma-3-1b-it's architecture (5 sliding layers to 1 global), 1.0 B parameters"),
+    # LongRoPE's factors are left out: they change which positions rotate how, not the work.
+    "phi-4-mini": Preset("phi3", dict(
+        vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75,
+        max_position_embeddings=131072, rope_theta=10000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, pad_token_id=199999),
+        "microsoft/Phi-4-mini-instruct's architecture (fused qkv and gate/up projections, a "
+        "quarter of each head unrotated), 3.8 B parameters"),
     # The real quickstart model (pretrained weights of the built-in smollm2-135m-instruct).
     "smollm2-135m": Preset("builtin", {"name": "smollm2-135m-instruct"},
                            "the built-in SmolLM2-135M-Instruct, pretrained weights"),

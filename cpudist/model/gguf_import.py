@@ -2,14 +2,16 @@
 Phi-3) as a base: `model.path=X.gguf` is converted once into the model cache as a plain Hugging
 Face directory of bf16 safetensors.
 
-The conversion streams: the GGUF file is mapped (gguf.GGUFReader), and each tensor is dequantized,
-un-permuted and written on its own, so a 7B GGUF converts in the memory of one tensor, not of the
-model in fp32 (transformers' own GGUF loader builds the whole model in fp32 first). Config and
-tokenizer come from transformers' GGUF readers, which read metadata only.
+The conversion streams: the GGUF file is mapped (gguf.GGUFReader), and each tensor is dequantized
+(a slice of rows at a time), un-permuted and written on its own, so a 9B GGUF converts in the
+memory of one bf16 tensor, not of the model in fp32 (transformers' own GGUF loader builds the
+whole model in fp32 first). Config and tokenizer come from transformers' GGUF readers, which read
+metadata only; what those leave at their defaults for Gemma 2/3 and Phi-3 is read from the file.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -67,6 +69,12 @@ def llama3_rope_parameters(factors: torch.Tensor, rope_theta: float, head_dim: i
                     "scaling cpudist knows; use the Hugging Face directory of this model")
 
 
+def _key(fields: dict[str, Any], arch_name: str, key: str, default: Any = None) -> Any:
+    """The value of a key of this architecture (gguf.Keys' "{arch}." form), or default."""
+    field = fields.get(key.format(arch=arch_name))
+    return field.contents() if field is not None else default
+
+
 @dataclass(frozen=True)
 class _GemmaDefaults:
     """What llama.cpp assumes where a Gemma 2/3 file leaves a key out (models/gemma2.cpp,
@@ -89,10 +97,7 @@ def _gemma_attention(config: Any, fields: dict[str, Any], arch_name: str, file: 
     reader leaves them at its own defaults, and the model would compute other logits."""
     import gguf
 
-    def read(key: str, default: Any = None) -> Any:
-        field = fields.get(key.format(arch=arch_name))
-        return field.contents() if field is not None else default
-
+    read = functools.partial(_key, fields, arch_name)
     defaults = _GEMMA_DEFAULTS[arch_name]
     n_layer = config.num_hidden_layers
     window = int(read(gguf.Keys.Attention.SLIDING_WINDOW, defaults.window))
@@ -135,10 +140,7 @@ def _phi3_rope(config: Any, fields: dict[str, Any], by_gguf: dict[str, Any]) -> 
     gguf_export._add_phi3_rope and _rope_tensors)."""
     import gguf
 
-    def read(key: str, default: Any = None) -> Any:
-        field = fields.get(key.format(arch="phi3"))
-        return field.contents() if field is not None else default
-
+    read = functools.partial(_key, fields, "phi3")
     head_dim = config.hidden_size // config.num_attention_heads
     fraction = int(read(gguf.Keys.Rope.DIMENSION_COUNT, head_dim)) / head_dim
     original = int(read(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN, config.max_position_embeddings))

@@ -17,7 +17,8 @@ from tests.helpers import MODEL_CACHE
 PUBLISHED = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512,
              "llama-3-8b": 8_030_261_248, "mistral-7b": 7_248_023_552,
              "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360,
-             "gemma-2-9b": 9_241_705_984, "gemma-3-1b": 999_885_952}
+             "gemma-2-9b": 9_241_705_984, "gemma-3-1b": 999_885_952,
+             "phi-4-mini": 3_836_021_760}  # Phi-4 mini's page rounds it: 3.84 B
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -39,6 +40,9 @@ def test_presets_are_the_published_architectures(name: str) -> None:
         expected = ["sliding_attention", "full_attention"] if name.startswith("gemma-2") else (
             ["sliding_attention"] * 5 + ["full_attention"])
         assert config.layer_types[:len(expected)] == expected
+    if name.startswith("phi"):  # q/k/v in one projection, gate/up in another
+        assert attention.qkv_proj.weight.shape == (3072 + 2 * 1024, 3072)
+        assert model.model.layers[0].mlp.gate_up_proj.weight.shape == (2 * 8192, 3072)
 
 
 def test_random_model_is_written_in_shards_one_tensor_at_a_time(tmp_path: Path,
