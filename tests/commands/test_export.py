@@ -423,7 +423,7 @@ def test_gguf_bases_compute_the_original_logits(case: str, request: pytest.Fixtu
     if dropped:
         arch = gguf.GGUFReader(file).fields["general.architecture"].contents()
         file = _rewritten(file, tmp_path / "released.gguf",
-                             tuple(key.format(arch=arch) for key in dropped))
+                          tuple(key.format(arch=arch) for key in dropped))
     converted = resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache")))
 
     ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(0))
