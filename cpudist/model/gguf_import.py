@@ -174,15 +174,14 @@ def _dequantized(tensor: Any, shift: float = 0.0) -> torch.Tensor:
 
     data = tensor.data
     rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data.reshape(1, -1)
-    step = max(1, _DEQUANTIZE_ELEMENTS // rows.shape[-1])
-    out = torch.empty(0)
+    # tensor.shape is GGML's, innermost first: its first entry is the row length once dequantized.
+    out = torch.empty((rows.shape[0], int(tensor.shape[0])), dtype=torch.bfloat16)
+    step = max(1, _DEQUANTIZE_ELEMENTS // out.shape[1])
     for start in range(0, rows.shape[0], step):
         # A copy: the reader maps the file read-only, and F32/F16 tensors come back as views of it.
-        part = torch.from_numpy(np.array(gguf.quants.dequantize(rows[start:start + step],
-                                                                tensor.tensor_type), dtype=np.float32))
-        if start == 0:
-            out = torch.empty((rows.shape[0], part.shape[-1]), dtype=torch.bfloat16)
-        out[start:start + part.shape[0]] = part + shift
+        part = np.array(gguf.quants.dequantize(rows[start:start + step], tensor.tensor_type),
+                        dtype=np.float32)
+        out[start:start + part.shape[0]] = torch.from_numpy(part) + shift
     return out
 
 
@@ -219,12 +218,13 @@ def convert_gguf(file: Path, cache_dir: Path) -> Path:
 def gguf_config(file: Path) -> Any:
     """The Hugging Face config a GGUF file converts to, from its metadata alone (what `cpudist
     plan` needs before any conversion)."""
-    return _hf_config(_reader(file), file)[0]
+    reader = _reader(file)
+    return _hf_config(reader, {t.name: t for t in reader.tensors}, file)[0]
 
 
-def _hf_config(reader: Any, file: Path) -> tuple[Any, Architecture]:
+def _hf_config(reader: Any, by_gguf: dict[str, Any], file: Path) -> tuple[Any, Architecture]:
     """The file's Hugging Face config and architecture: transformers' GGUF reader, then what it
-    leaves out or at its defaults, read from the file."""
+    leaves out or at its defaults, read from the file (by_gguf: its tensors by name)."""
     from transformers import AutoConfig
 
     arch_field = reader.fields.get("general.architecture")
@@ -235,7 +235,6 @@ def _hf_config(reader: Any, file: Path) -> tuple[Any, Architecture]:
         raise UserError(f"model.path={file}: GGUF architecture {arch_name!r} is not supported as a "
                         f"base; supported: {', '.join(dict.fromkeys(a.gguf_name for a in importable))}. "
                         "Use the model's Hugging Face directory instead")
-    by_gguf = {t.name: t for t in reader.tensors}
     try:
         config = AutoConfig.from_pretrained(file.parent, gguf_file=file.name)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -271,8 +270,8 @@ def _convert(file: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     reader = _reader(file)
-    config, arch = _hf_config(reader, file)
     by_gguf = {t.name: t for t in reader.tensors}
+    config, arch = _hf_config(reader, by_gguf, file)
     log.info("converting %s into %s (one time, tensor by tensor to bf16)", file, target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
