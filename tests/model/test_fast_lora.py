@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cpudist.config import LoraConfig, ModelConfig
+from cpudist.model.fast_lora import LoraUp
 from cpudist.model.load import build_model
 from cpudist.runtime.precision import choose_precision
 
@@ -60,6 +61,29 @@ def test_fast_path_matches_peft_forward_and_gradients(fixture: str, request: pyt
     for name in grads_plain:
         torch.testing.assert_close(grads_fast[name], grads_plain[name], rtol=1e-4, atol=1e-6,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_up_backward_equals_autograds(dtype: str) -> None:
+    """LoraUp's transposed GEMMs give autograd's gradients, in the parameters' own dtype."""
+    generator = torch.Generator().manual_seed(5)
+    h32 = torch.randn(3, 40, 8, generator=generator)
+    weight = torch.randn(96, 8, generator=generator).requires_grad_()
+    bias = torch.randn(96, generator=generator).requires_grad_()
+    grad = torch.randn(3, 40, 96, generator=generator)
+    results = []
+    for up in (LoraUp.apply, torch.nn.functional.linear):
+        h = h32.to(getattr(torch, dtype), copy=True).requires_grad_()
+        weight.grad = bias.grad = None
+        with choose_precision(dtype).autocast():
+            out = up(h, weight, bias)
+        out.backward(grad.to(out.dtype))
+        results.append((out.detach(), h.grad, weight.grad, bias.grad))
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 2e-2, "atol": 5e-2}
+    for mine, autograds in zip(results[0], results[1], strict=True):
+        assert mine.dtype == autograds.dtype and mine.shape == autograds.shape
+        torch.testing.assert_close(mine, autograds, **tolerance)
+    assert results[0][2].dtype == torch.float32  # the weight's gradient arrives in its own dtype
 
 
 def test_fast_path_in_bf16_stays_within_bf16_rounding(tiny_qwen: Path, tmp_path: Path) -> None:
