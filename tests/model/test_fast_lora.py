@@ -59,8 +59,10 @@ def test_fast_path_matches_peft_forward_and_gradients(fixture: str, request: pyt
     torch.testing.assert_close(logits_fast, logits_plain, rtol=1e-5, atol=1e-5)
     assert grads_fast.keys() == grads_plain.keys()
     for name in grads_plain:
-        torch.testing.assert_close(grads_fast[name], grads_plain[name], rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        # Relative to each gradient's own norm: these gradients are small enough that an absolute
+        # tolerance of 1e-6 let a systematic 0.1 % error through; fp32 rounding gives < 1e-5.
+        error = float((grads_fast[name] - grads_plain[name]).norm() / grads_plain[name].norm())
+        assert error <= 1e-4, f"{name}: relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
