@@ -12,8 +12,8 @@ adapted linear layer is replaced. What the replacement saves, per adapted layer 
 - Projections that read the same input (q/k/v of an attention block, gate/up of an MLP) compute
   their A products in one GEMM over the concatenated A matrices (SHARED_INPUT_GROUPS), and the
   input's gradient gets one LoRA contribution instead of three.
-- The B product's backward computes its two rank-wide results wide (LoraUp): 2-4x faster GEMMs in
-  fp32, where autograd's layout made them 5 % of a step.
+- The B product's backward computes its two rank-wide results as wide ones (LoraUp): 2-4x faster
+  GEMMs in fp32, where the LoRA GEMMs took 6 % of a step in autograd's layout.
 A layer the fast path cannot serve exactly (dropout > 0, several adapters, a PEFT variant such
 as DoRA, adapters disabled or merged) keeps PEFT's forward, decided per call.
 docs/PERFORMANCE.md ("LoRA fast path") has the measured effect; tests/model/test_fast_lora.py
