@@ -265,16 +265,30 @@ def bus_gbps(bytes_per_rank: float, busy_s: float, world: int) -> float:
 # --------------------------------------------------------------------------- small collectives
 
 
+# The reductions `allreduce` implements, by name.
+REDUCE_OPS = ("sum", "max", "min")
+
+
 def allreduce(values: list[float], placement: Placement, op: str = "sum") -> list[float]:
-    """Sum (or max) a few numbers over ranks; identity for a single process."""
+    """Reduce a few numbers over ranks with op ("sum", "max" or "min"); identity for a single
+    process. Any other op is refused, on one rank as on many."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"allreduce op {op!r}: choose one of {', '.join(REDUCE_OPS)}")
     if not placement.distributed:
         return values
     import torch
     import torch.distributed as dist
 
     tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    dist.all_reduce(tensor, op=reduce_op(op))
     return tensor.tolist()
+
+
+def reduce_op(name: str) -> Any:
+    """torch.distributed's ReduceOp for one of REDUCE_OPS."""
+    import torch.distributed as dist
+
+    return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[name]
 
 
 def all_gather(value: T, placement: Placement) -> list[T]:

@@ -30,3 +30,17 @@ def test_bus_bandwidth_is_the_ring_convention() -> None:
     # 4 ranks, 1 GB each in 1.5 s: a ring moves 2 * 3/4 GB per rank -> 1 GB/s.
     assert bus_gbps(1e9, 1.5, 4) == pytest.approx(1.0)
     assert bus_gbps(1e9, 0.0, 4) == 0.0 and bus_gbps(1e9, 1.0, 1) == 0.0
+
+
+def test_allreduce_takes_only_the_ops_it_implements() -> None:
+    import torch.distributed as dist
+
+    from cpudist.runtime.cluster import Placement
+    from cpudist.runtime.comm import allreduce, reduce_op
+
+    single = Placement(rank=0, world_size=1, local_rank=0, local_size=1, launcher="single")
+    assert allreduce([1.0, 2.0], single, op="min") == [1.0, 2.0]
+    assert reduce_op("min") == dist.ReduceOp.MIN and reduce_op("max") == dist.ReduceOp.MAX
+    assert reduce_op("sum") == dist.ReduceOp.SUM
+    with pytest.raises(ValueError, match="allreduce op 'mean'"):
+        allreduce([1.0], single, op="mean")
