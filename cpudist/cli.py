@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from cpudist.errors import USER_ERROR_EXIT, UserError
 
@@ -59,10 +60,18 @@ def top_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A command's flags; a bad flag is a UserError like any other bad input (one line on
+    stderr, exit code 2), not argparse's usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{self.prog}: {message} (`{self.prog} --help` lists the flags)")
+
+
 def command_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
     module = importlib.import_module(COMMANDS[name])
-    parser = argparse.ArgumentParser(prog=f"cpudist {name}", description=module.DESCRIPTION,
-                                     epilog=getattr(module, "EPILOG", None))
+    parser = CommandParser(prog=f"cpudist {name}", description=module.DESCRIPTION,
+                           epilog=getattr(module, "EPILOG", None))
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     module.add_arguments(parser)
     return parser, module

@@ -95,6 +95,9 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
+    # What the run trains for (a name in cpudist.objectives.OBJECTIVES): sft = next-token
+    # cross-entropy on the answer tokens.
+    objective: Literal["sft"] = "sft"
     seed: int = 42
     epochs: int = Field(1, gt=0)
     # When set, the run stops after this many optimizer steps (epochs repeat as needed).

@@ -18,6 +18,7 @@ import torch
 if TYPE_CHECKING:
     from cpudist.data.batches import Batch
     from cpudist.data.tokenize import TokenizedSplit
+    from cpudist.records import BenchResult
 
 REPO = Path(__file__).resolve().parents[1]
 # Shared with the quickstart so the one-time GGUF conversion is reused.
@@ -344,7 +345,21 @@ def loss_and_grads(module: torch.nn.Module, batch: Batch) -> tuple[float, int, d
     from cpudist.model.adapters import trainable_parameters
 
     module.zero_grad(set_to_none=True)
-    total, count = module(**batch.as_kwargs())
+    total, count, _ = module(**batch.as_kwargs())
     total.backward()
     grads = {name: p.grad.clone() for name, p in trainable_parameters(module)}
     return float(total.detach()), int(count), grads
+
+
+def bench_result(**figures: Any) -> BenchResult:
+    """A BenchResult with these figures and neutral values for the rest."""
+    from cpudist.records import BenchResult
+
+    neutral: dict[str, Any] = dict(
+        tokens_per_s=1.0, label_tokens_per_s=1.0, samples_per_s=1.0, s_per_step=1.0,
+        s_per_step_median=1.0, label_tokens_per_s_best_step=1.0, step_s=[1.0],
+        padding_fraction=0.0, mfu=0.5, mfu_valid=True, model_tflops=0.1, peak_tflops=0.2,
+        peak_samples_tflops=[0.2], peak_rss_gb=[1.0], node_pss_gb=1.0, framework="cpudist",
+        dtype="float32", threads=1, world_size=1, steps=1, warmup_steps=0, data="synthetic",
+        model_dir="model", allocator="none", flop_model={}, config={})
+    return BenchResult(**{**neutral, **figures})

@@ -9,17 +9,17 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from cpudist.errors import UserError
+from cpudist.records import BenchResult
 from cpudist.runtime.allocator import choose_allocator, preload_env, requested
 
 RESULT_MARK = "CPUDIST_BENCH_RESULT "
 
 
-def print_result(result: dict[str, Any]) -> None:
+def print_result(result: BenchResult) -> None:
     """The figures as one line on stdout, found by run_json(on_stdout=True)."""
-    print(RESULT_MARK + json.dumps(result), flush=True)
+    print(RESULT_MARK + json.dumps(result.to_json()), flush=True)
 
 
 def child_env(allocator: str | None) -> dict[str, str]:
@@ -31,7 +31,7 @@ def child_env(allocator: str | None) -> dict[str, str]:
 
 
 def run_json(cmd: list[str], env: dict[str, str], what: str, on_stdout: bool = False
-             ) -> dict[str, Any]:
+             ) -> BenchResult:
     """Run a benchmark process with `--json TARGET` appended and return its result: the file it
     wrote, or (on_stdout: `--json -`) the line it printed after RESULT_MARK."""
     with tempfile.TemporaryDirectory(prefix="cpudist-bench-") as tmp:
@@ -43,8 +43,8 @@ def run_json(cmd: list[str], env: dict[str, str], what: str, on_stdout: bool = F
         printed = [line[line.index(RESULT_MARK) + len(RESULT_MARK):]
                    for line in proc.stdout.splitlines() if RESULT_MARK in line]
         if proc.returncode == 0 and on_stdout and printed:
-            return json.loads(printed[-1])
+            return BenchResult.from_json(json.loads(printed[-1]))
         if proc.returncode == 0 and not on_stdout and out.exists():
-            return json.loads(out.read_text())
+            return BenchResult.from_json(json.loads(out.read_text()))
         tail = "\n".join(proc.stdout.splitlines()[-15:])
         raise UserError(f"{what} failed (exit {proc.returncode}):\n{tail}")

@@ -12,14 +12,15 @@ Padding and recomputation (activation checkpointing) are work, not model FLOPs, 
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from cpudist.data.batches import Batch
+from cpudist.records import BenchResult
 
 
 @dataclass(frozen=True)
@@ -132,11 +133,55 @@ def model_gemm_shapes(peft_model: nn.Module, tokens: int) -> list[tuple[int, int
     return [(tokens, hidden, inner), (tokens, inner, hidden)]
 
 
-def padding_fraction(batches: list[Batch]) -> float:
-    """Share of the computed positions (rows x width) that hold padding."""
-    cells = sum(b.input_ids.numel() for b in batches)
-    real = sum(b.tokens for b in batches)
-    return 0.0 if cells == 0 else 1.0 - real / cells
+@dataclass(frozen=True)
+class TimedStep:
+    """What one timed step did, over every rank: the figures are computed from these."""
+
+    seconds: float
+    tokens: float  # real (non-padding) tokens fed
+    label_tokens: float  # tokens with loss
+    samples: int
+    cells: float  # positions computed, padding included (rows x width)
+    flops: float  # model FLOPs (FlopModel.step_flops)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The throughput and MFU figures of a bench (fields of the same names in BenchResult)."""
+
+    tokens_per_s: float
+    label_tokens_per_s: float
+    samples_per_s: float
+    s_per_step: float
+    s_per_step_median: float
+    label_tokens_per_s_best_step: float
+    step_s: list[float]
+    padding_fraction: float
+    mfu: float
+    mfu_valid: bool
+    model_tflops: float
+    peak_tflops: float
+    peak_samples_tflops: list[float]
+
+
+def throughput_figures(steps: list[TimedStep], peaks: list[float]) -> Throughput:
+    """The figures of a bench's timed steps against the GEMM peaks probed in the same run: one
+    definition for cpudist and its peers. Model FLOPs above the best probe make the MFU invalid
+    (the probes missed the peak, or the FLOP model is off): tables mark it."""
+    wall = sum(s.seconds for s in steps)
+    tokens = sum(s.tokens for s in steps)
+    cells = sum(s.cells for s in steps)
+    achieved = sum(s.flops for s in steps) / wall
+    peak = max(peaks)
+    return Throughput(
+        tokens_per_s=tokens / wall, label_tokens_per_s=sum(s.label_tokens for s in steps) / wall,
+        samples_per_s=sum(s.samples for s in steps) / wall, s_per_step=wall / len(steps),
+        s_per_step_median=statistics.median(s.seconds for s in steps),
+        label_tokens_per_s_best_step=max(s.label_tokens / s.seconds for s in steps),
+        step_s=[s.seconds for s in steps],
+        padding_fraction=1.0 - tokens / cells if cells else 0.0,
+        mfu=achieved / peak, mfu_valid=achieved <= peak, model_tflops=achieved / 1e12,
+        peak_tflops=peak / 1e12, peak_samples_tflops=[p / 1e12 for p in peaks])
 
 
 FIGURES = [("tokens_per_s", "tokens/s", "{:.1f}"), ("label_tokens_per_s", "label tokens/s", "{:.1f}"),
@@ -148,14 +193,11 @@ FIGURES = [("tokens_per_s", "tokens/s", "{:.1f}"), ("label_tokens_per_s", "label
            ("comm_mb_per_step", "allreduce MB/step", "{:.1f}"),
            ("comm_exposed_s_per_step", "exposed allreduce s/step", "{:.3f}"),
            ("wait_for_slowest_s", "wait for slowest rank s (max rank)", "{:.3f}")]
+# Figures of cpudist's own allreduce and ranks, which a peer's result does not measure.
+PER_RANK_FIGURES = ("comm_mb_per_step", "comm_exposed_s_per_step", "wait_for_slowest_s")
 
 
-def figure(result: dict[str, Any], key: str) -> float:
-    value = result[key]
-    return max(value) if isinstance(value, list) else float(value)
-
-
-def format_table(results: dict[str, dict[str, Any]],
+def format_table(results: dict[str, BenchResult],
                  ratios: list[tuple[str, str]] | None = None) -> str:
     """A markdown table: one column per result, and one per ratio (a / b) asked for."""
     names = list(results)
@@ -163,20 +205,19 @@ def format_table(results: dict[str, dict[str, Any]],
     header = ["figure", *names, *(f"{a} / {b}" for a, b in ratios)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key, label, fmt in FIGURES:
-        if not all(key in r for r in results.values()):
-            continue
-        cells = [fmt.format(figure(results[name], key))
+        if key in PER_RANK_FIGURES and any(r.framework != "cpudist" for r in results.values()):
+            continue  # only cpudist's side measures its allreduce and ranks
+        cells = [fmt.format(results[name].figure(key))
                  + (" (invalid: above the measured peak)"
-                    if key == "mfu" and results[name].get("mfu_valid") is False else "")
+                    if key == "mfu" and not results[name].mfu_valid else "")
                  for name in names]
         for a_name, b_name in ratios:
-            a, b = figure(results[a_name], key), figure(results[b_name], key)
+            a, b = results[a_name].figure(key), results[b_name].figure(key)
             cells.append(f"{a / b:.2f}x" if b else "-")
         lines.append("| " + " | ".join([label, *cells]) + " |")
     first = next(iter(results.values()))
     lines.append("")
-    lines.append(f"dtype {first['dtype']}; {first['world_size']} rank(s) x {first['threads']} "
-                 f"thread(s); peak GEMM {first['peak_tflops'] * 1000:.0f} GFLOP/s (this run); "
-                 f"{first['steps']} timed steps after {first['warmup_steps']} warm-up; "
-                 f"{first['data']}")
+    lines.append(f"dtype {first.dtype}; {first.world_size} rank(s) x {first.threads} "
+                 f"thread(s); peak GEMM {first.peak_tflops * 1000:.0f} GFLOP/s (this run); "
+                 f"{first.steps} timed steps after {first.warmup_steps} warm-up; {first.data}")
     return "\n".join(lines)

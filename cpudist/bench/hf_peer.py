@@ -11,10 +11,10 @@ full-vocabulary logits, the default random sampler.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -22,11 +22,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 
+from cpudist.bench.figures import (
+    FlopModel,
+    GemmPeak,
+    TimedStep,
+    flop_model,
+    model_gemm_shapes,
+    throughput_figures,
+)
 from cpudist.bench.options import DATA_KINDS
 from cpudist.bench.samples import bench_samples
-from cpudist.config import load_config
+from cpudist.config import Config, load_config
 from cpudist.data.tokenize import IGNORE
+from cpudist.records import BenchResult
+from cpudist.runtime.allocator import in_use as allocator_in_use
+from cpudist.runtime.memory import PssSampler, peak_rss_gb
+from cpudist.runtime.precision import Precision
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,38 +94,34 @@ def quantization_config(quantize: str, compute: torch.dtype) -> Any:
                               bnb_4bit_compute_dtype=compute)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    config = load_config(args.config)
-    tc, lora = config.train, config.lora
-    if config.dist.threads_per_rank:
-        torch.set_num_threads(config.dist.threads_per_rank)
+class StepClock(TrainerCallback):
+    """A Trainer callback noting when each optimizer step begins and ends."""
+
+    def __init__(self) -> None:
+        self.begins: list[float] = []
+        self.ends: list[float] = []
+
+    def on_step_begin(self, *_: Any, **__: Any) -> None:
+        self.begins.append(time.perf_counter())
+
+    def on_step_end(self, *_: Any, **__: Any) -> None:
+        self.ends.append(time.perf_counter())
+
+
+def load_peer_model(config: Config, precision: Precision, quantization: Any
+                    ) -> tuple[Any, Any, float]:
+    """(HF model + PEFT LoRA as a user would set it up, on the given quantization config or
+    none, tokenizer, seconds to load)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-    )
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from cpudist.bench.figures import GemmPeak, flop_model, model_gemm_shapes
     from cpudist.model.load import attention_implementation
-    from cpudist.runtime.allocator import in_use as allocator_in_use
-    from cpudist.runtime.memory import PssSampler, peak_rss_gb
-    from cpudist.runtime.precision import choose_precision
-    from cpudist.runtime.process import quiet_libraries
 
-    quiet_libraries()
-    precision = choose_precision(config.model.dtype)
+    lora = config.lora
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     loading = time.perf_counter()
-    quantization = quantization_config(config.model.quantize, precision.compute_dtype)
     attention = attention_implementation(config.model.attn_implementation,
                                          AutoConfig.from_pretrained(config.model.path))
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=precision.compute_dtype,
@@ -130,42 +139,69 @@ def main(argv: list[str] | None = None) -> int:
                                              use_rslora=lora.use_rslora, use_dora=lora.use_dora,
                                              target_modules=lora.target_modules,
                                              task_type="CAUSAL_LM"))
-    load_s = time.perf_counter() - loading
-    total_steps = args.warmup + args.steps
+    return model, tokenizer, time.perf_counter() - loading
+
+
+def train_peer(model: Any, rows: list[dict[str, list[int]]], collator: PadCollator,
+               config: Config, precision: Precision, max_steps: int, out_dir: str) -> StepClock:
+    """HF Trainer over rows for max_steps optimizer steps, timed by a StepClock."""
+    from transformers import Trainer, TrainingArguments
+
+    tc = config.train
+    training_args = TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=tc.batch_size,
+        gradient_accumulation_steps=tc.grad_accum, max_steps=max_steps,
+        learning_rate=tc.lr, lr_scheduler_type="constant",
+        max_grad_norm=tc.max_grad_norm or 0.0, weight_decay=tc.weight_decay,
+        use_cpu=True, bf16=precision.bf16, logging_strategy="no", save_strategy="no",
+        report_to=[], dataloader_num_workers=0, remove_unused_columns=False, seed=tc.seed,
+        gradient_checkpointing=config.model.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, disable_tqdm=True)
+    clock = StepClock()
+    Trainer(model=model, args=training_args, train_dataset=rows, data_collator=collator,
+            callbacks=[clock]).train()
+    return clock
+
+
+def timed_steps(clock: StepClock, seen: list[tuple[list[int], int, int]], grad_accum: int,
+                warmup: int, flops: FlopModel) -> list[TimedStep]:
+    """The timed steps of the second training: from one step's end to the next (collation
+    included, as in cpudist's bench); the first from its own begin (HF fetches its batches just
+    before: a few ms in HF's favour). `seen` holds every batch drawn, warm-up's first."""
+    seconds = [clock.ends[0] - clock.begins[0],
+               *(b - a for a, b in zip(clock.ends[:-1], clock.ends[1:], strict=True))]
+    steps = []
+    for index, elapsed in enumerate(seconds):
+        batches = seen[(warmup + index) * grad_accum:(warmup + index + 1) * grad_accum]
+        lengths = [n for lens, _, _ in batches for n in lens]
+        labels = sum(label for _, label, _ in batches)
+        steps.append(TimedStep(elapsed, sum(lengths), labels, len(lengths),
+                               sum(cells for _, _, cells in batches),
+                               flops.step_flops(lengths, labels, len(batches))))
+    return steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    config = load_config(args.config)
+    tc = config.train
+    if config.dist.threads_per_rank:
+        torch.set_num_threads(config.dist.threads_per_rank)
+    from cpudist.runtime.precision import choose_precision
+    from cpudist.runtime.process import quiet_libraries
+
+    quiet_libraries()
+    precision = choose_precision(config.model.dtype)
+    quantization = quantization_config(config.model.quantize, precision.compute_dtype)
+    model, tokenizer, load_s = load_peer_model(config, precision, quantization)
     # One epoch of the timed steps; the warm-up steps run on the same set first (as cpudist's bench).
-    samples = args.steps * tc.batch_size * tc.grad_accum
-    split, desc = bench_samples(config, args.data, samples, tokenizer,
-                                model.get_base_model().config.vocab_size)
+    split, description = bench_samples(config, args.data, args.steps * tc.batch_size * tc.grad_accum,
+                                       tokenizer, model.get_base_model().config.vocab_size)
     rows = [{"input_ids": ids, "labels": labels}
             for ids, labels in zip(split.input_ids, split.labels, strict=True)]
     collator = PadCollator(tokenizer.pad_token_id)
-
-    class StepClock(TrainerCallback):
-        def __init__(self) -> None:
-            self.begins: list[float] = []
-            self.ends: list[float] = []
-
-        def on_step_begin(self, *_: Any, **__: Any) -> None:
-            self.begins.append(time.perf_counter())
-
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            self.ends.append(time.perf_counter())
-
-    def train(max_steps: int, out_dir: str) -> StepClock:
-        training_args = TrainingArguments(
-            output_dir=out_dir, per_device_train_batch_size=tc.batch_size,
-            gradient_accumulation_steps=tc.grad_accum, max_steps=max_steps,
-            learning_rate=tc.lr, lr_scheduler_type="constant",
-            max_grad_norm=tc.max_grad_norm or 0.0, weight_decay=tc.weight_decay,
-            use_cpu=True, bf16=precision.bf16, logging_strategy="no", save_strategy="no",
-            report_to=[], dataloader_num_workers=0, remove_unused_columns=False, seed=tc.seed,
-            gradient_checkpointing=config.model.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False}, disable_tqdm=True)
-        clock = StepClock()
-        Trainer(model=model, args=training_args, train_dataset=rows, data_collator=collator,
-                callbacks=[clock]).train()
-        return clock
-
     gemm = GemmPeak(precision.compute_dtype,
                     model_gemm_shapes(model, tc.batch_size * config.data.max_length))
     peaks = [gemm.probe()]
@@ -173,46 +209,23 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up and timed steps are two trainings of the same model, so that the timed one is
         # exactly one epoch (HF's random sampler) over the set cpudist times.
         if args.warmup:
-            train(args.warmup, tmp)
-        clock = train(args.steps, tmp)
+            train_peer(model, rows, collator, config, precision, args.warmup, tmp)
+        clock = train_peer(model, rows, collator, config, precision, args.steps, tmp)
     peaks.append(gemm.probe())
-    # From one step's end to the next (collation included, as in cpudist's bench); the first timed
-    # step from its own begin (HF fetches its batches just before: a few ms in HF's favour).
-    timed = [clock.ends[0] - clock.begins[0],
-             *(b - a for a, b in zip(clock.ends[:-1], clock.ends[1:], strict=True))]
-    # Batches in the order they were drawn; one optimizer step uses grad_accum of them.
-    per_step = [collator.seen[i * tc.grad_accum:(i + 1) * tc.grad_accum]
-                for i in range(total_steps)][args.warmup:]
     flops = flop_model(model)
-    wall = sum(timed)
-    lengths = [n for step in per_step for lens, _, _ in step for n in lens]
-    label_tokens = sum(lab for step in per_step for _, lab, _ in step)
-    model_flops = sum(flops.step_flops([n for lens, _, _ in step for n in lens],
-                                       sum(lab for _, lab, _ in step), len(step))
-                      for step in per_step)
-    cells = sum(c for step in per_step for _, _, c in step)
-    peak = max(peaks)
-    result = {
-        "tokens_per_s": sum(lengths) / wall, "label_tokens_per_s": label_tokens / wall,
-        "samples_per_s": len(lengths) / wall, "s_per_step": wall / len(timed),
-        "s_per_step_median": statistics.median(timed),
-        "label_tokens_per_s_best_step": max(
-            sum(lab for _, lab, _ in step) / t for step, t in zip(per_step, timed, strict=True)),
-        "peak_rss_gb": [peak_rss_gb()], "node_pss_gb": pss.peak / 1024**3,
-        "mfu": model_flops / wall / peak, "mfu_valid": model_flops / wall <= peak,
-        "model_tflops": model_flops / wall / 1e12,
-        "peak_tflops": peak / 1e12, "peak_samples_tflops": [p / 1e12 for p in peaks],
-        "padding_fraction": 1.0 - sum(lengths) / cells if cells else 0.0,
-        "dtype": precision.describe(), "threads": torch.get_num_threads(), "world_size": 1,
-        "steps": len(timed), "warmup_steps": args.warmup, "step_s": timed, "data": desc,
-        "model_dir": config.model.path, "flop_model": flops.as_dict(),
-        "framework": "hf-trainer+peft", "allocator": allocator_in_use(),
-        "host": socket.gethostname(), "config": config.to_dict(), "load_s": load_s,
-        "quantization": str(quantization.to_dict() if quantization is not None else None),
-    }
-    print(json.dumps({k: v for k, v in result.items() if k not in ("config", "step_s")}))
+    steps = timed_steps(clock, collator.seen, tc.grad_accum, args.warmup, flops)
+    result = BenchResult(
+        **dataclasses.asdict(throughput_figures(steps, peaks)),
+        peak_rss_gb=[peak_rss_gb()], node_pss_gb=pss.peak / 1024**3, framework="hf-trainer+peft",
+        dtype=precision.describe(), threads=torch.get_num_threads(), world_size=1,
+        steps=len(steps), warmup_steps=args.warmup, data=description,
+        model_dir=config.model.path, allocator=allocator_in_use(), flop_model=flops.as_dict(),
+        config=config.to_dict(), load_s=load_s, host=socket.gethostname(),
+        quantization=str(quantization.to_dict() if quantization is not None else None))
+    shown = {k: v for k, v in result.to_json().items() if k not in ("config", "step_s")}
+    print(json.dumps(shown))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        args.json.write_text(json.dumps(result.to_json(), indent=1))
     return 0
 
 

@@ -9,21 +9,49 @@ from __future__ import annotations
 
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cpudist.bench.child import child_env, run_json
-from cpudist.bench.figures import FIGURES, figure
+from cpudist.bench.figures import FIGURES, PER_RANK_FIGURES
 from cpudist.bench.options import BenchArgs
 from cpudist.config import Config
+from cpudist.records import BenchResult
 from cpudist.runtime.allocator import choose_allocator, requested
 
 # --vs name -> the program that runs that peer on a resolved config file and BenchArgs flags.
 PEERS = {"hf": ("Hugging Face Trainer + PEFT", [sys.executable, "-m", "cpudist.bench.hf_peer"])}
 
 
+@dataclass
+class VsOutcome:
+    """cpudist and a peer side by side: the best run of each side (by tokens/s), every run, and
+    the ratios cpudist / peer of each figure, as each ships and (when measured) on one malloc."""
+
+    peer: str
+    best: dict[str, BenchResult]  # side -> its best run: "cpudist", PEER, "PEER (same malloc)"
+    rounds: dict[str, list[BenchResult]]
+    ratios: dict[str, float]
+    ratios_same_malloc: dict[str, float] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        outcome: dict[str, Any] = {side: r.to_json() for side, r in self.best.items()}
+        outcome.update(rounds={side: [r.to_json() for r in runs] for side, runs in self.rounds.items()},
+                       peer=self.peer, ratios=self.ratios)
+        if self.ratios_same_malloc is not None:
+            outcome["ratios_same_malloc"] = self.ratios_same_malloc
+        return outcome
+
+
+def ratios(ours: BenchResult, theirs: BenchResult) -> dict[str, float]:
+    """ours / theirs for each figure of the table both measure."""
+    return {key: ours.figure(key) / theirs.figure(key) for key, _, _ in FIGURES
+            if key not in PER_RANK_FIGURES and theirs.figure(key)}
+
+
 def run_vs(peer: str, config: Config, args: BenchArgs, rounds: int, allocator: str | None,
-           peer_allocator: str) -> dict[str, Any]:
+           peer_allocator: str) -> VsOutcome:
     """Alternate cpudist and peer runs; best figures of each (by tokens/s), and their ratios.
 
     The peer runs twice a round: on its own allocator (peer_allocator, default none: glibc
@@ -42,7 +70,7 @@ def run_vs(peer: str, config: Config, args: BenchArgs, rounds: int, allocator: s
     # The resolved config already holds every bench flag that is a setting (batch, length,
     # dtype, threads, the preset's directory); the rest is what to time.
     timing = ["--data", args.data, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+    runs: dict[str, list[BenchResult]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory(prefix="cpudist-vs-") as tmp:
         resolved = Path(tmp) / "config.yaml"
         # One process per side: batch_size=auto is resolved once here, for both.
@@ -53,11 +81,6 @@ def run_vs(peer: str, config: Config, args: BenchArgs, rounds: int, allocator: s
         for _ in range(rounds):
             for side, (side_allocator, what) in sides.items():
                 runs[side].append(run_json(commands[side], child_env(side_allocator), what))
-    best = {side: max(items, key=lambda r: r["tokens_per_s"]) for side, items in runs.items()}
-    outcome: dict[str, Any] = {**best, "rounds": runs, "peer": peer}
-    for side, key in ((peer, "ratios"), (same, "ratios_same_malloc")):
-        if side in best:
-            outcome[key] = {k: figure(best["cpudist"], k) / figure(best[side], k)
-                            for k, _, _ in FIGURES
-                            if k in best[side] and k in best["cpudist"] and figure(best[side], k)}
-    return outcome
+    best = {side: max(items, key=lambda r: r.tokens_per_s) for side, items in runs.items()}
+    return VsOutcome(peer, best, runs, ratios(best["cpudist"], best[peer]),
+                     ratios(best["cpudist"], best[same]) if same in best else None)

@@ -27,13 +27,14 @@ from cpudist.launch.mpi import (
     prepare_hostfile,
 )
 from cpudist.launch.netns import Link
+from cpudist.records import BenchResult
 from cpudist.runtime.allocator import choose_allocator, requested
 
 
 def run_scaling(config_path: str | None, overrides: list[str], args: BenchArgs,
                 counts: list[int], total_threads: int, allocator: str | None,
                 per_rank_batch: bool = False, hostfile: str | None = None,
-                mpi_args: list[str] | None = None) -> list[dict[str, Any]]:
+                mpi_args: list[str] | None = None) -> list[BenchResult]:
     """The bench under mpirun at each rank count, threads split between the ranks of a node; the
     mpirun command (hostfile, binding, thread variables, allocator preload) is the one `cpudist
     launch` builds. Rank 0 prints its figures on stdout, so it may run on another node."""
@@ -121,42 +122,40 @@ def run_fake_scaling(config_path: str | None, overrides: list[str], args: BenchA
                 before = sum(cluster.counter(node) for node in cluster.nodes)
                 fake = run_json(cluster.exec_argv(cluster.nodes[0], cmd), _env(),
                                 f"bench on {n} fake nodes ({link.describe()})", on_stdout=True)
-                fake["link_tx_bytes"] = sum(cluster.counter(node) for node in cluster.nodes) - before
+                fake.link_tx_bytes = sum(cluster.counter(node) for node in cluster.nodes) - before
         row = fake_row(n, link, fake, loopback)
         if predict:
             predicted = model_predict(profile_from_bench(loopback), n, 1, link.rate_bps,
                                       link.delay_s)
             # The loopback run already holds the shared cores' slowdown; the model adds the link.
             row["predicted_tokens_per_s"] = round(predicted.tokens_per_s, 2)
-            row["predicted_vs_measured"] = round(predicted.tokens_per_s / fake["tokens_per_s"], 3)
+            row["predicted_vs_measured"] = round(predicted.tokens_per_s / fake.tokens_per_s, 3)
         rows.append(row)
-        raw.append({"nodes": n, "fake": fake, "loopback": loopback})
+        raw.append({"nodes": n, "fake": fake.to_json(), "loopback": loopback.to_json()})
         print(fake_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
     return rows, raw
 
 
-def fake_row(n: int, link: Link, fake: dict[str, Any], loopback: dict[str, Any]
-             ) -> dict[str, Any]:
+def fake_row(n: int, link: Link, fake: BenchResult, loopback: BenchResult) -> dict[str, Any]:
     """The row of one node count: throughput against loopback, and where the step went."""
-    compute = fake.get("compute_s_per_rank") or []
     return {
         "nodes": n, "link": link.describe() if n > 1 else "none (one node)",
-        "tokens_per_s": round(fake["tokens_per_s"], 2),
-        "loopback_tokens_per_s": round(loopback["tokens_per_s"], 2),
-        "efficiency": round(fake["tokens_per_s"] / loopback["tokens_per_s"], 3),
-        "s_per_step": round(fake["s_per_step"], 3), "threads_per_rank": fake["threads"],
-        "batch_per_rank": fake["config"]["train"]["batch_size"],
-        "comm_mb_per_step": round(fake.get("comm_mb_per_step", 0.0), 3),
-        "comm_exposed_s_per_step": round(fake.get("comm_exposed_s_per_step", 0.0), 3),
-        "comm_bus_gbps": round(fake.get("comm_bus_gbps", 0.0), 4),
-        "compute_s_per_rank": [round(c, 3) for c in compute],
-        "compute_spread": round(fake.get("compute_spread", 0.0), 3),
-        "wait_for_slowest_s": [round(w, 3) for w in fake.get("wait_for_slowest_s", [])],
+        "tokens_per_s": round(fake.tokens_per_s, 2),
+        "loopback_tokens_per_s": round(loopback.tokens_per_s, 2),
+        "efficiency": round(fake.tokens_per_s / loopback.tokens_per_s, 3),
+        "s_per_step": round(fake.s_per_step, 3), "threads_per_rank": fake.threads,
+        "batch_per_rank": fake.config["train"]["batch_size"],
+        "comm_mb_per_step": round(fake.comm_mb_per_step, 3),
+        "comm_exposed_s_per_step": round(fake.comm_exposed_s_per_step, 3),
+        "comm_bus_gbps": round(fake.comm_bus_gbps, 4),
+        "compute_s_per_rank": [round(c, 3) for c in fake.compute_s_per_rank],
+        "compute_spread": round(fake.compute_spread, 3),
+        "wait_for_slowest_s": [round(w, 3) for w in fake.wait_for_slowest_s],
         # What each node sent on its interface per step (veth counters; setup included).
-        "link_mb_per_node_step": round(fake.get("link_tx_bytes", 0) / 1e6 / n
-                                       / max(1, fake["steps"] + fake["warmup_steps"]), 3),
-        "grad_compression": fake["config"]["dist"]["grad_compression"],
-        "bucket_cap_mb": fake["config"]["dist"]["bucket_cap_mb"],
+        "link_mb_per_node_step": round((fake.link_tx_bytes or 0) / 1e6 / n
+                                       / max(1, fake.steps + fake.warmup_steps), 3),
+        "grad_compression": fake.config["dist"]["grad_compression"],
+        "bucket_cap_mb": fake.config["dist"]["bucket_cap_mb"],
     }
 
 
@@ -180,26 +179,26 @@ def fake_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def scaling_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def scaling_rows(rows: list[BenchResult]) -> list[dict[str, Any]]:
     """The figures of each rank count that go into the scaling table."""
     base = rows[0]
-    return [{"world_size": r["world_size"], "tokens_per_s": r["tokens_per_s"],
-             "threads_per_rank": r["threads"],
-             "batch_per_rank": r["config"]["train"]["batch_size"], "s_per_step": round(r["s_per_step"], 3),
-             "mfu": round(r["mfu"], 3), "node_pss_gb": round(r["node_pss_gb"], 2),
-             "pss_vs_first": round(r["node_pss_gb"] / base["node_pss_gb"], 2),
-             "peak_rss_gb_per_rank": round(max(r["peak_rss_gb"]), 2),
+    return [{"world_size": r.world_size, "tokens_per_s": r.tokens_per_s,
+             "threads_per_rank": r.threads,
+             "batch_per_rank": r.config["train"]["batch_size"], "s_per_step": round(r.s_per_step, 3),
+             "mfu": round(r.mfu, 3), "node_pss_gb": round(r.node_pss_gb, 2),
+             "pss_vs_first": round(r.node_pss_gb / base.node_pss_gb, 2),
+             "peak_rss_gb_per_rank": round(max(r.peak_rss_gb), 2),
              # Per-rank compute (forward + backward, comm.CommMeter): the slowest and the spread.
-             "compute_s_max": round(max(r.get("compute_s_per_rank") or [0.0]), 3),
-             "compute_spread": round(r.get("compute_spread", 0.0), 3)} for r in rows]
+             "compute_s_max": round(max(r.compute_s_per_rank or [0.0]), 3),
+             "compute_spread": round(r.compute_spread, 3)} for r in rows]
 
 
-def write_scaling(rows: list[dict[str, Any]], out_dir: Path) -> Path:
+def write_scaling(rows: list[BenchResult], out_dir: Path) -> Path:
     """scaling.json (every figure), scaling.md and scaling.png (cpudist.report.plots); returns the
     .md file."""
     from cpudist.report.plots import write_scaling_report
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "scaling.json").write_text(json.dumps(rows, indent=1))
+    (out_dir / "scaling.json").write_text(json.dumps([r.to_json() for r in rows], indent=1))
     md_path, _ = write_scaling_report(scaling_rows(rows), out_dir)
     return md_path

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpudist.bench.presets import PRESETS
+from cpudist.records import BenchResult
 
 
 @dataclass(frozen=True)
@@ -96,25 +97,23 @@ def predict(profile: StepProfile, nodes: int, ranks_per_node: int, rate_bps: flo
 # --------------------------------------------------------------------------- from a bench result
 
 
-def profile_from_bench(result: dict[str, Any]) -> StepProfile:
+def profile_from_bench(result: BenchResult) -> StepProfile:
     """The step profile a `cpudist bench` result measured (one rank or several on one host):
     its step without the exposed allreduce and the waits, its tokens, bytes and imbalance."""
-    world = result["world_size"]
-    config = result["config"]
-    waits = result.get("wait_for_slowest_s") or [0.0]
-    compute = result["s_per_step"] - result.get("comm_exposed_s_per_step", 0.0) - (
-        sum(waits) / len(waits))
-    wire_per_element = 2 if config["dist"].get("grad_compression") == "bf16" else 4
-    wire = result.get("comm_mb_per_step") or 0.0
+    dist = result.config["dist"]
+    waits = result.wait_for_slowest_s or [0.0]
+    compute = result.s_per_step - result.comm_exposed_s_per_step - sum(waits) / len(waits)
+    wire_per_element = 2 if dist.get("grad_compression") == "bf16" else 4
+    wire = result.comm_mb_per_step
     if not wire:  # one rank sends nothing: what it would send, from its gradient bytes
-        wire = result["gradient_mb"] * wire_per_element / 4
-    ranks = result.get("compute_s_per_rank") or [compute]
+        wire = result.gradient_mb * wire_per_element / 4
+    ranks = result.compute_s_per_rank or [compute]
     mean = sum(ranks) / len(ranks)
     return StepProfile(
         compute_s=max(compute, 1e-9),
-        tokens=result["tokens_per_s"] * result["s_per_step"] / world,
+        tokens=result.tokens_per_s * result.s_per_step / result.world_size,
         wire_bytes=wire * 1e6,
-        bucket_bytes=config["dist"]["bucket_cap_mb"] * 1e6 * wire_per_element / 4,
+        bucket_bytes=dist["bucket_cap_mb"] * 1e6 * wire_per_element / 4,
         imbalance=max(ranks) / mean - 1 if mean > 0 else 0.0)
 
 

@@ -12,6 +12,7 @@ from cpudist.bench.presets import PRESETS
 from cpudist.commands.common import add_settings, split_settings
 from cpudist.config import Config
 from cpudist.errors import UserError
+from cpudist.records import BenchResult
 from cpudist.runtime.allocator import CHOICES as ALLOCATORS
 
 HELP = "throughput / memory / MFU of a short training (optionally vs HF Trainer)"
@@ -92,12 +93,12 @@ def run(ns: argparse.Namespace) -> int:
     if result is None:  # not rank 0
         return 0
     print(format_table({"cpudist": result}))
-    if result.get("profile"):
-        _show_profile(result["profile"], result.get("peak_tflops"), ns.json)
+    if result.profile:
+        _show_profile(result.profile, result.peak_tflops, ns.json)
     if ns.json == Path("-"):
         print_result(result)
     elif ns.json:
-        ns.json.write_text(json.dumps(result, indent=1))
+        ns.json.write_text(json.dumps(result.to_json(), indent=1))
     return 0
 
 
@@ -119,13 +120,17 @@ def _run_vs(ns: argparse.Namespace, config: Config, args: BenchArgs) -> int:
     from cpudist.report.plots import write_vs_plot
 
     outcome = run_vs(ns.vs, config, args, ns.rounds, ns.allocator, ns.hf_allocator)
-    sides = [side for side in outcome if side in ("cpudist", ns.vs, f"{ns.vs} (same malloc)")]
-    print(format_table({side: outcome[side] for side in sides},
-                       ratios=[("cpudist", side) for side in sides[1:]]))
+    sides = list(outcome.best)
+    print(format_table(outcome.best, ratios=[("cpudist", side) for side in sides[1:]]))
     if ns.json:
-        ns.json.write_text(json.dumps(outcome, indent=1))
-        png = write_vs_plot(outcome, {key: label for key, label, _ in FIGURES},
-                            "HF Trainer+PEFT", ns.json.with_suffix(".png"))
+        ns.json.write_text(json.dumps(outcome.to_json(), indent=1))
+        series = [("as each ships", outcome.ratios)]
+        if outcome.ratios_same_malloc is not None:
+            series.append(("same malloc", outcome.ratios_same_malloc))
+        ours = outcome.best["cpudist"]
+        png = write_vs_plot(series, {key: label for key, label, _ in FIGURES}, "HF Trainer+PEFT",
+                            f"cpudist vs HF Trainer+PEFT: {ours.data.split(':')[0]}, "
+                            f"{ours.dtype.split(':')[0]}", ns.json.with_suffix(".png"))
         print(f"written: {ns.json}, {png}")
     return 0
 
@@ -152,27 +157,27 @@ def _run_rounds(ns: argparse.Namespace, config: Config, args: BenchArgs) -> int:
     return 0
 
 
-def summarize_rounds(runs: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+def summarize_rounds(runs: list[BenchResult]) -> tuple[dict[str, Any], list[str]]:
     """The spread of `--rounds` runs: (summary for the JSON, lines to print)."""
     import statistics
 
     lines = ["| run | tokens/s | s/step | MFU | GEMM peak TFLOP/s |", "|---:|---:|---:|---:|---:|"]
     for number, r in enumerate(runs, start=1):
-        mark = "" if r["mfu_valid"] else " (invalid)"
-        lines.append(f"| {number} | {r['tokens_per_s']:.1f} | {r['s_per_step']:.2f} | "
-                     f"{r['mfu']:.1%}{mark} | {r['peak_tflops']:.3f} |")
-    valid = [r["mfu"] for r in runs if r["mfu_valid"]]
+        mark = "" if r.mfu_valid else " (invalid)"
+        lines.append(f"| {number} | {r.tokens_per_s:.1f} | {r.s_per_step:.2f} | "
+                     f"{r.mfu:.1%}{mark} | {r.peak_tflops:.3f} |")
+    valid = [r.mfu for r in runs if r.mfu_valid]
     # The machine's peak does not change between runs, but a run's probes can all read low (an fp32
     # probe read 0.19 TFLOP/s in one run and 0.15 in the next at the same tokens/s), which flatters
     # that run's MFU: against the best peak of all the runs no run is flattered.
-    best_peak = max(r["peak_tflops"] for r in runs)
-    against_best = [r["model_tflops"] / best_peak for r in runs]
-    summary = {"runs": runs, "mfu_median": statistics.median(valid) if valid else None,
+    best_peak = max(r.peak_tflops for r in runs)
+    against_best = [r.model_tflops / best_peak for r in runs]
+    summary = {"runs": [r.to_json() for r in runs], "mfu_median": statistics.median(valid) if valid else None,
                "mfu_min": min(valid, default=None), "mfu_max": max(valid, default=None),
                "best_peak_tflops": best_peak,
                "mfu_best_peak_median": statistics.median(against_best),
                "mfu_best_peak_min": min(against_best), "mfu_best_peak_max": max(against_best),
-               "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in runs)}
+               "tokens_per_s_median": statistics.median(r.tokens_per_s for r in runs)}
     if valid:
         lines.append(f"\nMFU over {len(valid)} valid run(s): median {summary['mfu_median']:.1%} "
                      f"(min {summary['mfu_min']:.1%}, max {summary['mfu_max']:.1%})")

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from cpudist.errors import UserError
+
+if TYPE_CHECKING:
+    from cpudist.config import Config, ModelConfig
 
 
 def add_settings(parser: argparse.ArgumentParser) -> None:
@@ -35,27 +42,6 @@ def add_model_arguments(parser: argparse.ArgumentParser, adapter_required: bool 
                              "trained on (its shapes must still fit)")
 
 
-def settle_base(args: argparse.Namespace) -> None:
-    """--base as a model directory: the given one or the adapter's recorded base, refused when
-    the adapter does not belong to it (cpudist.model.provenance). Before any slow load."""
-    import sys
-
-    from cpudist.model.adapters import resolve_adapter
-    from cpudist.model.provenance import check_base, resolve_base
-
-    if args.adapter is None:
-        if args.base is None:
-            raise UserError("--base MODEL is required without --adapter (a local Hugging Face "
-                            "directory or smollm2-135m-instruct)")
-        return
-    adapter_dir = resolve_adapter(args.adapter)
-    base_dir = resolve_base(adapter_dir, args.base)
-    check_base(adapter_dir, base_dir, args.ignore_fingerprint)
-    if args.base is None:
-        print(f"base: {base_dir} (recorded by the adapter)", file=sys.stderr)
-    args.base = str(base_dir)
-
-
 def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=["none", "int8", "int4"],
                         help="model.quantize of the base (default: the adapter's run, else none)")
@@ -81,33 +67,80 @@ def non_negative_int(text: str) -> int:
     return _int_from(text, 0, "0 or more")
 
 
-# Flag -> (section, key) of the config setting it stands for.
-RUN_SETTINGS = {"format": ("data", "format"), "max_length": ("data", "max_length"),
-                "batch_size": ("train", "batch_size"), "system": ("data", "system_prompt"),
-                "dtype": ("model", "dtype"), "run_dtype": ("model", "dtype"),
-                "quantize": ("model", "quantize"),
-                "quantize_group": ("model", "quantize_group")}
+@dataclass(frozen=True)
+class TrainedModel:
+    """What a command that runs a trained model loads, resolved once before any slow load: the
+    base (the given --base, else the one the adapter records, checked against the adapter), the
+    adapter, and the settings the user left out taken from the config of the run that wrote the
+    adapter (so that the figures match its validation log), else from the schema's defaults."""
+
+    model: ModelConfig  # the base: path, dtype, quantization (a quantized run's scales)
+    adapter: Path | None
+    settings: dict[str, Any] = field(default_factory=dict)  # "section.key" -> value
 
 
-def fill_from_run(args: argparse.Namespace, names: list[str]) -> None:
-    """Set the flags the user left out from the config of the run that wrote --adapter (so the
-    numbers match its validation log), else from the schema defaults."""
-    import sys
-
-    from cpudist.config import Config
+def trained_model(args: argparse.Namespace, dtype: str | None,
+                  settings: dict[str, Any] | None = None) -> TrainedModel:
+    """The TrainedModel of --base/--adapter/--ignore-fingerprint/--quantize/--quantize-group, the
+    flag giving model.dtype (`dtype`: --dtype, or merge's and export's --run-dtype) and other
+    flags standing for settings ({"data.format": args.format, ...}; None = not given)."""
+    from cpudist.config import ModelConfig
     from cpudist.model.adapters import resolve_adapter
-    from cpudist.train.output import adapter_run_config
+    from cpudist.model.provenance import check_base, resolve_base
 
-    config, path = (adapter_run_config(resolve_adapter(args.adapter)) if args.adapter
-                    else (None, None))
-    taken = []
-    for name in names:
-        if getattr(args, name) is not None:
-            continue
-        section, key = RUN_SETTINGS[name]
-        value = getattr(getattr(config or Config(), section), key)
-        setattr(args, name, value)
-        if config is not None and value is not None:
-            taken.append(f"{section}.{key}={value}")
+    adapter = resolve_adapter(args.adapter) if args.adapter else None
+    if adapter is None:
+        if args.base is None:
+            raise UserError("--base MODEL is required without --adapter (a local Hugging Face "
+                            "directory or smollm2-135m-instruct)")
+        base = args.base
+    else:
+        base_dir = resolve_base(adapter, args.base)
+        check_base(adapter, base_dir, args.ignore_fingerprint)
+        if args.base is None:
+            print(f"base: {base_dir} (recorded by the adapter)", file=sys.stderr)
+        base = str(base_dir)
+    wanted = {"model.dtype": dtype, "model.quantize": getattr(args, "quantize", None),
+              "model.quantize_group": getattr(args, "quantize_group", None), **(settings or {})}
+    chosen = _settings_from_run(adapter, wanted)
+    model = ModelConfig(path=base, dtype=chosen.pop("model.dtype"),
+                        quantize=chosen.pop("model.quantize"),
+                        quantize_group=chosen.pop("model.quantize_group"))
+    return TrainedModel(model, adapter, chosen)
+
+
+def _settings_from_run(adapter: Path | None, wanted: dict[str, Any]) -> dict[str, Any]:
+    """Each wanted setting: its flag's value, else the adapter's run's, else the default."""
+    from cpudist.config import Config
+
+    run, path = adapter_run_config(adapter) if adapter else (None, None)
+    source = run or Config()
+    chosen, taken = {}, []
+    for key, value in wanted.items():
+        section, name = key.split(".")
+        if value is None:
+            value = getattr(getattr(source, section), name)
+            if run is not None and value is not None:
+                taken.append(f"{key}={value}")
+        chosen[key] = value
     if taken:
         print(f"from {path}: {', '.join(taken)}", file=sys.stderr)
+    return chosen
+
+
+def adapter_run_config(adapter_dir: Path) -> tuple[Config | None, Path | None]:
+    """The config of the run that wrote an adapter: OUTPUT/config.yaml beside OUTPUT/adapter, or
+    step-N/config.yaml beside a checkpoint's adapter/. (None, None) when there is none; a file
+    that is there but invalid is an error, since its settings (a quantized base, its dtype) decide
+    how the adapter's base must be loaded."""
+    from cpudist.config import load_config
+
+    path = adapter_dir.parent / "config.yaml"
+    if not path.is_file():
+        return None, None
+    try:
+        return load_config(path), path
+    except UserError as exc:
+        raise UserError(f"the adapter's run config is invalid: {exc}. Fix {path} (it says how the "
+                        "adapter's base was loaded: dtype, quantization), or move the adapter out "
+                        "of that run directory and give --dtype/--quantize yourself") from None

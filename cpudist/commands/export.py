@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 from cpudist.commands.common import (
+    TrainedModel,
     add_model_arguments,
     add_quantize_arguments,
-    fill_from_run,
-    settle_base,
+    trained_model,
 )
 
 HELP = "write a GGUF file for llama.cpp / Ollama: merged model, base alone, or LoRA adapter alone"
@@ -39,51 +41,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import tempfile
-    from pathlib import Path
-
-    from cpudist.config import ModelConfig
     from cpudist.errors import UserError
-    from cpudist.model.adapters import resolve_adapter
-    from cpudist.model.gguf_export import export_lora, export_model, read_adapter
-    from cpudist.model.load import resolve_model_path
-    from cpudist.model.merge import merge, write_dequantized_base
     from cpudist.runtime.process import quiet_libraries
 
     quiet_libraries()
-    settle_base(args)  # the adapter's recorded base when --base is left out; refuses a wrong one
     out = Path(args.out).expanduser()
     if out.exists() and not args.force:
         raise UserError(f"--out {args.out} already exists; choose a new file or pass --force")
     if args.lora and not args.adapter:
         raise UserError("--lora writes an adapter: pass --adapter DIR with it")
-    fill_from_run(args, ["quantize", "quantize_group", "run_dtype"])
-    adapter_dir = resolve_adapter(args.adapter) if args.adapter else None
-    adapter = read_adapter(adapter_dir) if adapter_dir else None
-    if args.lora and adapter is not None and adapter.dora:
-        raise UserError(f"--lora: {adapter_dir} is a DoRA adapter and llama.cpp's LoRA format has no "
-                        "magnitude vectors; export it merged (drop --lora)")
-    quantized = ModelConfig(path=args.base, dtype=args.run_dtype, quantize=args.quantize,
-                            quantize_group=args.quantize_group)
+    # The adapter's recorded base when --base is left out; a wrong one is refused.
+    chosen = trained_model(args, args.run_dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".export-", dir=out.parent) as scratch:
-        if quantized.quantize != "none":
-            # The adapter was trained against the dequantized weights: those are the base to
-            # write, merged (as `cpudist merge` does) or alone for a --lora pair.
-            if adapter_dir is not None and not args.lora:
-                base_dir = merge(args.base, str(adapter_dir), str(Path(scratch) / "merged"),
-                                 quantized=quantized)
-                adapter = None
-            else:
-                base_dir = write_dequantized_base(args.base, quantized, Path(scratch) / "base")
-        else:
-            base_dir = resolve_model_path(ModelConfig(path=args.base))
-        if args.lora:
-            assert adapter is not None
-            target = export_lora(base_dir, adapter, out, args.type)
-            print(f"LoRA GGUF written to {target} (apply it on the GGUF of its base: "
-                  f"cpudist export --base {args.base} --out BASE.gguf)")
-        else:
-            target = export_model(base_dir, out, args.type, adapter)
-            print(f"GGUF model ({args.type}) written to {target}")
+        target = _export(chosen, args.lora, args.type, out, Path(scratch))
+    print(f"LoRA GGUF written to {target} (apply it on the GGUF of its base: cpudist export "
+          f"--base {chosen.model.path} --out BASE.gguf)" if args.lora
+          else f"GGUF model ({args.type}) written to {target}")
     return 0
+
+
+def _export(chosen: TrainedModel, lora: bool, file_type: str, out: Path, scratch: Path) -> Path:
+    """The GGUF file: base alone, base and adapter merged, or (lora) the adapter alone."""
+    from cpudist.config import ModelConfig
+    from cpudist.errors import UserError
+    from cpudist.model.gguf_export import export_lora, export_model, read_adapter
+    from cpudist.model.load import resolve_model_path
+    from cpudist.model.merge import merge, write_dequantized_base
+
+    adapter = read_adapter(chosen.adapter) if chosen.adapter else None
+    if lora and adapter is not None and adapter.dora:
+        raise UserError(f"--lora: {chosen.adapter} is a DoRA adapter and llama.cpp's LoRA format "
+                        "has no magnitude vectors; export it merged (drop --lora)")
+    if chosen.model.quantize != "none":
+        # The adapter was trained against the dequantized weights: those are the base to write,
+        # merged (as `cpudist merge` does) or alone for a --lora pair.
+        if chosen.adapter is not None and not lora:
+            base_dir = merge(chosen.model, chosen.adapter, scratch / "merged")
+            adapter = None
+        else:
+            base_dir = write_dequantized_base(chosen.model, scratch / "base")
+    else:
+        base_dir = resolve_model_path(ModelConfig(path=chosen.model.path))
+    if lora:
+        assert adapter is not None
+        return export_lora(base_dir, adapter, out, file_type)
+    return export_model(base_dir, out, file_type, adapter)

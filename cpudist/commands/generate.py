@@ -8,10 +8,9 @@ import sys
 from cpudist.commands.common import (
     add_model_arguments,
     add_quantize_arguments,
-    fill_from_run,
-    settle_base,
+    positive_int,
+    trained_model,
 )
-from cpudist.errors import UserError
 
 HELP = "answer a prompt with a base model (and adapter), streaming tokens"
 DESCRIPTION = ("Greedy (or sampled) generation; the prompt is rendered with the tokenizer's chat "
@@ -24,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the user message")
     parser.add_argument("--system", help="system message (default: data.system_prompt of the "
                                          "adapter's run)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0 = greedy (default); above 0 samples")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
@@ -32,20 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpudist.config import Config, DistConfig, ModelConfig
+    from cpudist.config import Config, DistConfig
+    from cpudist.infer.generate import generate, prompt_ids
+    from cpudist.infer.session import open_session
     from cpudist.runtime.process import start_process
-    from cpudist.train.generate import generate, prompt_ids
-    from cpudist.train.session import open_session
 
-    settle_base(args)
-    fill_from_run(args, ["system", "dtype", "quantize", "quantize_group"])
-    if args.max_new_tokens <= 0:
-        raise UserError("--max-new-tokens must be at least 1")
-    config = Config(model=ModelConfig(path=args.base, dtype=args.dtype, quantize=args.quantize,
-                                       quantize_group=args.quantize_group))
+    chosen = trained_model(args, args.dtype, {"data.system_prompt": args.system})
     with start_process(DistConfig()) as process:
-        session = open_session(config, process, args.adapter)
-        ids = prompt_ids(session.tokenizer, args.prompt, args.system)
+        session = open_session(Config(model=chosen.model), process, chosen.adapter)
+        ids = prompt_ids(session.tokenizer, args.prompt, chosen.settings["data.system_prompt"])
         generate(session, ids, args.max_new_tokens, args.temperature, stream=True)
     sys.stdout.flush()
     return 0

@@ -86,6 +86,7 @@ def restart_recorder(program: list[str]) -> Callable[[int, str], None]:
     import datetime
 
     from cpudist.config import load_config
+    from cpudist.records import RestartEvent
     from cpudist.report.metrics import append_event
     from cpudist.train.checkpoint_files import newest_usable, step_of
 
@@ -100,10 +101,9 @@ def restart_recorder(program: list[str]) -> Callable[[int, str], None]:
     def record(attempt: int, reason: str) -> None:
         found, _ = newest_usable(out / "checkpoints")  # the one the resumed job will take
         try:
-            append_event(out / "metrics.jsonl", {
-                "event": "restart", "attempt": attempt, "reason": reason,
-                "resumed_from_step": step_of(found) if found else 0,
-                "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+            append_event(out / "metrics.jsonl", RestartEvent(
+                attempt=attempt, reason=reason, resumed_from_step=step_of(found) if found else 0,
+                time=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")))
         except OSError as exc:  # a missing record must not stop the restart itself
             print(f"cpudist launch: could not write the restart record to {out / 'metrics.jsonl'}"
                   f": {exc.strerror or exc}", file=sys.stderr)

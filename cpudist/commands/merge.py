@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cpudist.commands.common import (
-    add_model_arguments,
-    add_quantize_arguments,
-    fill_from_run,
-    settle_base,
-)
+from cpudist.commands.common import add_model_arguments, add_quantize_arguments, trained_model
 
 HELP = "fold a LoRA adapter into its base model (plain Hugging Face directory)"
 DESCRIPTION = ("Write base + adapter as one model directory (safetensors, config, tokenizer) that "
@@ -29,15 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpudist.config import ModelConfig
     from cpudist.model.merge import merge
     from cpudist.runtime.process import quiet_libraries
 
     quiet_libraries()
-    settle_base(args)
-    fill_from_run(args, ["quantize", "quantize_group", "run_dtype"])
-    quantized = ModelConfig(path=args.base, dtype=args.run_dtype, quantize=args.quantize,
-                            quantize_group=args.quantize_group)
-    target = merge(args.base, args.adapter, args.out, args.dtype, args.force, quantized=quantized)
+    chosen = trained_model(args, args.run_dtype)
+    assert chosen.adapter is not None  # --adapter is required
+    target = merge(chosen.model, chosen.adapter, args.out, args.dtype, args.force)
     print(f"merged model written to {target}")
     return 0

@@ -74,7 +74,7 @@ def run(ns: argparse.Namespace) -> int:
     print(md_path.read_text())
     print(f"written: {md_path}, {ns.out / 'scaling.json'}, {ns.out / 'scaling.png'}")
     if ns.json:
-        ns.json.write_text(json.dumps(rows, indent=1))
+        ns.json.write_text(json.dumps([r.to_json() for r in rows], indent=1))
     return 0
 
 

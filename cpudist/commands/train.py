@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     from cpudist.config import load_config
 
     config = load_config(*split_settings(args.settings))
-    from cpudist.train.loop import train  # torch loads in seconds: config errors come first
+    from cpudist.train.run import train  # torch loads in seconds: config errors come first
 
     train(config, debug=args.debug)
     return 0

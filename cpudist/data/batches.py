@@ -181,8 +181,10 @@ class GlobalBatches:
 
 def eval_batches(data: TokenizedSplit, batch_size: int, rank: int, world: int,
                  limit: int | None) -> Iterator[list[int]]:
-    """This rank's share of the validation set (strided, so every sample is seen once overall)."""
-    order = sorted(range(len(data)), key=lambda i: len(data.input_ids[i]))
+    """This rank's share of the validation set (strided, so every sample is seen once overall),
+    shortest samples first."""
+    lengths = data.lengths()
+    order = sorted(range(len(data)), key=lengths.__getitem__)
     mine = order[rank::world]
     count = math.ceil(len(mine) / batch_size)
     if limit is not None:

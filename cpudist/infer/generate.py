@@ -3,13 +3,14 @@ training. Prompts are rendered exactly as training renders a user turn."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from cpudist.data.formats import to_sample
-from cpudist.data.tokenize import IGNORE, TokenizedSplit, tokenize_conversation
-from cpudist.train.session import Session
+from cpudist.data.tokenize import IGNORE, tokenize_conversation
+from cpudist.infer.session import Session
 
 
 def prompt_ids(tokenizer: Any, prompt: str, system: str | None) -> list[int]:
@@ -46,22 +47,6 @@ def generate(session: Session, ids: list[int], max_new_tokens: int, temperature:
     return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
 
 
-def sample_prompts(data: TokenizedSplit, count: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids up to the first answer token, reference answer ids) of held-out samples."""
-    samples: list[tuple[list[int], list[int]]] = []
-    if count <= 0:
-        return samples
-    for ids, labels in zip(data.input_ids, data.labels, strict=True):
-        first = next((i for i, label in enumerate(labels) if label != IGNORE), None)
-        if first:
-            answer = [t for t, label in zip(ids, labels, strict=True) if label != IGNORE]
-            samples.append((list(ids[:first]), answer))
-        if len(samples) == count:
-            break
-    return samples
-
-
-def answer_prompts(session: Session, prompts: list[tuple[list[int], list[int]]],
-                   max_new_tokens: int) -> list[str]:
-    """Greedy answers to held-out prompts."""
-    return [generate(session, prompt, max_new_tokens) for prompt, _ in prompts]
+def answer_prompts(session: Session, prompts: Sequence[list[int]], max_new_tokens: int) -> list[str]:
+    """Greedy answers to prompts given as token ids."""
+    return [generate(session, ids, max_new_tokens) for ids in prompts]

@@ -12,7 +12,6 @@ from torch import nn
 from cpudist.config import Config
 from cpudist.model.adapters import resolve_adapter
 from cpudist.model.load import load_for_inference
-from cpudist.model.loss import CausalLMLoss
 from cpudist.runtime.precision import Precision, choose_precision
 from cpudist.runtime.process import Process
 
@@ -27,18 +26,17 @@ class Session:
     model: nn.Module  # the peft model (base + adapter)
     tokenizer: Any
     model_dir: Path
-    loss: CausalLMLoss  # the model wrapped to return (sum of token losses, label tokens)
 
     @property
     def pad_id(self) -> int:
         return int(self.tokenizer.pad_token_id)
 
 
-def open_session(config: Config, process: Process, adapter: str | None = None,
+def open_session(config: Config, process: Process, adapter: str | Path | None = None,
                  flag: str = "--base") -> Session:
-    """Base model (+ the saved adapter at `adapter`) for evaluation and generation, in eval mode."""
-    adapter_dir = resolve_adapter(adapter) if adapter else None  # fail before the slow load
+    """Base model (+ the saved adapter at `adapter`) for evaluation and generation, in eval mode.
+    flag: the option that named the base, for errors about it."""
+    adapter_dir = resolve_adapter(str(adapter)) if adapter else None  # fail before the slow load
     precision = choose_precision(config.model.dtype)
     model, tokenizer, model_dir = load_for_inference(config.model, adapter_dir, precision, flag)
-    return Session(config, process, precision, model, tokenizer, model_dir,
-                   CausalLMLoss(model, config.train.loss_chunk_size))
+    return Session(config, process, precision, model, tokenizer, model_dir)

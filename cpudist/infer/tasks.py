@@ -23,8 +23,8 @@ import torch
 from cpudist.data.formats import to_sample
 from cpudist.data.tasks import Task, TaskItem
 from cpudist.data.tokenize import IGNORE, tokenize_conversation
-from cpudist.train.generate import generate, prompt_ids
-from cpudist.train.session import Session
+from cpudist.infer.generate import generate, prompt_ids
+from cpudist.infer.session import Session
 
 # (input ids [rows, T], attention mask [rows, T]) -> logits [rows, T, vocab]
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

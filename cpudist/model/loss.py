@@ -8,7 +8,7 @@ same pass (the head is frozen), so at most one chunk of logits is ever alive.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -139,8 +139,18 @@ def packed_attention_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.T
     return mask[:, None]
 
 
+class LossOutput(NamedTuple):
+    """What a loss module returns for a batch (a named tuple: DDP finds its tensors): sums over
+    the batch, so that micro-batches and ranks add them up before anything is divided."""
+
+    total: torch.Tensor  # sum of the per-unit losses (units: label tokens, rows, pairs, ...)
+    count: torch.Tensor  # how many units: the loss of a step is total / count over all ranks
+    metrics: dict[str, torch.Tensor] = {}  # the objective's own sums (rewards, correct rows, ...)
+
+
 class CausalLMLoss(nn.Module):
-    """Wraps a (peft) causal LM so forward returns (loss sum, label tokens); DDP wraps this."""
+    """Wraps a (peft) causal LM so forward returns a LossOutput (sum of token losses, label
+    tokens); DDP wraps this."""
 
     def __init__(self, model: nn.Module, chunk_size: int) -> None:
         super().__init__()
@@ -156,8 +166,7 @@ class CausalLMLoss(nn.Module):
         self.head = base.get_output_embeddings()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                labels: torch.Tensor, position_ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> LossOutput:
         if position_ids is not None:
             # Packed rows: attention_mask holds segment ids; keep attention inside each sample.
             dtype = next(self.head.parameters()).dtype
@@ -166,8 +175,8 @@ class CausalLMLoss(nn.Module):
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
                                 position_ids=position_ids).logits
             total, count = full_lm_loss(logits, labels)
-            return total, torch.tensor(count)
+            return LossOutput(total, torch.tensor(count))
         hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=position_ids).last_hidden_state
         total, count = chunked_lm_loss(hidden, self.head, labels, self.chunk_size, self.softcap)
-        return total, torch.tensor(count)
+        return LossOutput(total, torch.tensor(count))

@@ -16,7 +16,6 @@ import torch
 from cpudist.config import ModelConfig
 from cpudist.errors import UserError
 from cpudist.files import remove, replacing
-from cpudist.model.adapters import resolve_adapter
 from cpudist.model.load import load_for_inference
 from cpudist.runtime.precision import Precision
 
@@ -24,19 +23,20 @@ from cpudist.runtime.precision import Precision
 MERGE_PRECISION = Precision("float32", "merge computes in float32")
 
 
-def merge(base: str, adapter: str, out: str, dtype: str = "float32", force: bool = False,
-          trust_remote_code: bool = False, quantized: ModelConfig | None = None) -> Path:
-    """Fold the adapter into the base weights; writes a plain Hugging Face model directory."""
+def merge(base: ModelConfig, adapter_dir: Path, out: str | Path, dtype: str = "float32",
+          force: bool = False) -> Path:
+    """Fold the adapter into its base (base.path; a quantized run's base as base.quantize,
+    base.quantize_group and base.dtype say); writes a plain Hugging Face model directory."""
     target = Path(out).expanduser()
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not force:
         raise UserError(f"--out {out} already exists and is not empty; choose a new directory "
                         "or pass --force to replace it")
-    adapter_dir = resolve_adapter(adapter)
-    if quantized is not None and quantized.quantize != "none":
-        model, tokenizer = _dequantized_base(base, adapter_dir, quantized)
+    if base.quantize != "none":
+        model, tokenizer = _dequantized_base(base, adapter_dir)
     else:
-        config = ModelConfig(path=base, trust_remote_code=trust_remote_code)
-        model, tokenizer, _ = load_for_inference(config, adapter_dir, MERGE_PRECISION)
+        plain = ModelConfig(path=base.path, trust_remote_code=base.trust_remote_code,
+                            cache_dir=base.cache_dir)
+        model, tokenizer, _ = load_for_inference(plain, adapter_dir, MERGE_PRECISION)
     merged = model.merge_and_unload()
     if dtype == "bfloat16":
         merged = merged.to(torch.bfloat16)
@@ -53,27 +53,26 @@ def merge(base: str, adapter: str, out: str, dtype: str = "float32", force: bool
     return target
 
 
-def write_dequantized_base(base: str, quantized: ModelConfig, out: Path) -> Path:
+def write_dequantized_base(base: ModelConfig, out: Path) -> Path:
     """The base a quantized run trained against (its linears dequantized to fp32), alone, as a
     plain model directory: what a LoRA adapter of that run applies on top of."""
-    model, tokenizer = _dequantized_base(base, None, quantized)
+    model, tokenizer = _dequantized_base(base, None)
     with replacing(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
     return out
 
 
-def _dequantized_base(base: str, adapter_dir: Path | None, quantized: ModelConfig) -> tuple[Any, Any]:
+def _dequantized_base(base: ModelConfig, adapter_dir: Path | None) -> tuple[Any, Any]:
     """The quantized base the adapter was trained on (the node's cache, as training mapped it),
     its linears dequantized to fp32, with the adapter applied (when one is given)."""
     from cpudist.model.adapters import load_adapter
     from cpudist.model.quantize import dequantize_linears
     from cpudist.runtime.precision import choose_precision
 
-    config = quantized.model_copy(update={"path": base})
-    model, tokenizer, _ = load_for_inference(config, None, choose_precision(config.dtype))
+    model, tokenizer, _ = load_for_inference(base, None, choose_precision(base.dtype))
     dequantize_linears(model, torch.float32)
     model = model.float()  # embeddings, head and norms too: the merge is computed in fp32
     if adapter_dir is None:
         return model, tokenizer
-    return load_adapter(model, adapter_dir, base_name=base), tokenizer
+    return load_adapter(model, adapter_dir, base_name=base.path), tokenizer

@@ -16,6 +16,7 @@ from typing import Any, BinaryIO
 from cpudist.errors import UserError
 from cpudist.files import replacing, write_text
 from cpudist.jsonl import JsonlError, iter_jsonl
+from cpudist.records import EvalRecord, RestartEvent, StepRecord, TaskEvalResult
 
 log = logging.getLogger("cpudist")
 
@@ -97,9 +98,9 @@ class MetricsLog:
         self.size = self.path.stat().st_size if self.path.exists() else 0
         self.started = True
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: StepRecord | EvalRecord) -> None:
         try:
-            self._append((json.dumps(record) + "\n").encode())
+            self._append((json.dumps(record.to_json()) + "\n").encode())
         except OSError as exc:
             self.outage.failed(exc)
         else:
@@ -126,7 +127,7 @@ class MetricsLog:
                 raise
         self.size += len(line)
 
-    def _tensorboard(self, record: dict[str, Any]) -> None:
+    def _tensorboard(self, record: StepRecord | EvalRecord) -> None:
         assert self.tensorboard_dir is not None
         if self.writer is None:
             # A writer that failed once stays broken (its thread died): retry with a new event
@@ -140,9 +141,10 @@ class MetricsLog:
             except OSError as exc:
                 self.tb_outage.failed(exc)
                 return
-        step = record.get("step", 0)
+        line = record.to_json()
+        step = line.get("step", 0)
         try:
-            for key, value in record.items():
+            for key, value in line.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()  # surfaces a write error of its thread now, at this step
@@ -197,14 +199,14 @@ def _event_lines(path: Path, start: int) -> bytes:
     return b"".join(kept)
 
 
-def append_event(path: Path, record: dict[str, Any]) -> None:
+def append_event(path: Path, record: RestartEvent) -> None:
     """Append one event line to a metrics.jsonl no rank is writing (the launcher, between jobs).
     A last line cut short by a killed rank is dropped first: it belonged to a step after the
     checkpoint, which the resumed job takes again."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "ab+", buffering=0) as handle:
         handle.truncate(_whole_lines(handle))
-        handle.write((json.dumps(record) + "\n").encode())
+        handle.write((json.dumps(record.to_json()) + "\n").encode())
         os.fsync(handle.fileno())
 
 
@@ -252,21 +254,25 @@ def _quiet_tensorboard_thread() -> None:
 EVAL_FILE = "eval.json"  # OUTPUT/eval.json: `cpudist eval --task` results, one entry per task
 
 
-def read_eval(path: Path) -> dict[str, Any]:
+def read_eval(path: Path) -> dict[str, TaskEvalResult]:
     """eval.json's tasks (task name -> result); {} when there is none or it is unreadable."""
     try:
         tasks = json.loads(path.read_text()).get("tasks", {})
     except (OSError, ValueError, AttributeError):
         return {}
-    return tasks if isinstance(tasks, dict) else {}
+    if not isinstance(tasks, dict):
+        return {}
+    return {name: TaskEvalResult.from_json(result) for name, result in tasks.items()
+            if isinstance(result, dict)}
 
 
-def write_eval(path: Path, name: str, result: dict[str, Any]) -> None:
+def write_eval(path: Path, result: TaskEvalResult) -> None:
     """Add (or replace) one task's result in eval.json, keeping the other tasks'."""
     tasks = read_eval(path)
-    tasks[name] = result
+    tasks[result.task] = result
     try:
-        write_text(path, json.dumps({"tasks": tasks}, indent=1, ensure_ascii=False))
+        write_text(path, json.dumps({"tasks": {name: task.to_json() for name, task in tasks.items()}},
+                                    indent=1, ensure_ascii=False))
     except OSError as exc:
         raise UserError(f"could not write {path} ({exc.strerror}); pass --out FILE somewhere "
                         "writable") from exc

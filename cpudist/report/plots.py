@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +17,15 @@ from typing import Any
 from cpudist.errors import UserError
 from cpudist.files import write_text
 from cpudist.jsonl import read_jsonl
+from cpudist.records import (
+    MetricsLine,
+    RestartEvent,
+    RunSummary,
+    StepRecord,
+    TaskEvalResult,
+    metrics_line,
+    read_summary,
+)
 from cpudist.report.metrics import EVAL_FILE, read_eval
 
 PLOTS = ("loss.png", "lr.png", "throughput.png")
@@ -33,19 +41,8 @@ def _pyplot() -> Any:
     return plt
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg}); the run may have been "
-                        "cut off while writing it") from None
-    return loaded if isinstance(loaded, dict) else {}
-
-
-def read_run(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
-    """(metrics records, summary, config YAML text) of a run directory."""
+def read_run(out_dir: Path) -> tuple[list[MetricsLine], RunSummary | None, str]:
+    """(metrics lines, summary when the run finished, config YAML text) of a run directory."""
     metrics_path = out_dir / "metrics.jsonl"
     if not out_dir.is_dir():
         raise UserError(f"{out_dir}: no such run directory; pass the output.dir of a cpudist train run")
@@ -53,26 +50,27 @@ def read_run(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
         raise UserError(f"{metrics_path} not found; {out_dir} is not the output.dir of a cpudist "
                         "train run (or the run stopped before its first step)")
     # metrics.jsonl is machine-written: a broken line is best removed, a non-object ignored.
-    records = read_jsonl(metrics_path, skip_non_objects=True, advice="remove that line")
+    lines = read_jsonl(metrics_path, skip_non_objects=True, advice="remove that line")
+    records = [record for record in map(metrics_line, lines) if record is not None]
     config_path = out_dir / "config.yaml"
     config_text = config_path.read_text(encoding="utf-8") if config_path.exists() else ""
-    return records, _read_json(out_dir / "summary.json"), config_text
+    return records, read_summary(out_dir / "summary.json"), config_text
 
 
-def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    """(steps, values) of the records that carry a finite value for key."""
+def _series(records: list[MetricsLine], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the step and evaluation records that carry a finite value for key."""
     steps, values = [], []
     for record in records:
-        value = record.get(key)
-        if isinstance(value, (int, float)) and math.isfinite(value) and "step" in record:
-            steps.append(float(record["step"]))
-            values.append(float(value))
+        value = record.value(key)
+        if value is not None and math.isfinite(value) and not isinstance(record, RestartEvent):
+            steps.append(float(record.step))
+            values.append(value)
     return steps, values
 
 
-def restarts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def restarts(records: list[MetricsLine]) -> list[RestartEvent]:
     """The launcher's restart records (cpudist launch --restarts), in order."""
-    return [r for r in records if r.get("event") == "restart"]
+    return [r for r in records if isinstance(r, RestartEvent)]
 
 
 def _line_plot(path: Path, title: str, ylabel: str,
@@ -107,12 +105,14 @@ def _line_plot(path: Path, title: str, ylabel: str,
     return path
 
 
-def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir: Path) -> list[Path]:
+def write_plots(records: list[MetricsLine], summary: RunSummary | None, out_dir: Path
+                ) -> list[Path]:
     """loss.png, lr.png, throughput.png in out_dir."""
     train_steps, train_loss = _series(records, "loss")
     val_steps, val_loss = _series(records, "val_loss")
-    if "val_loss_before" in summary and 0.0 not in val_steps:
-        val_steps, val_loss = [0.0, *val_steps], [float(summary["val_loss_before"]), *val_loss]
+    before = summary.eval_before.get("val_loss") if summary else None
+    if before is not None and 0.0 not in val_steps:
+        val_steps, val_loss = [0.0, *val_steps], [before, *val_loss]
     lr_steps, lr = _series(records, "lr")
     tps_steps, tps = _series(records, "tokens_per_s")
     loss_lines = [("train", train_steps, train_loss)]
@@ -122,7 +122,7 @@ def write_plots(records: list[dict[str, Any]], summary: dict[str, Any], out_dir:
                  for i in range(len(train_loss))]
         loss_lines.append((f"train (mean of last {_SMOOTH})", train_steps, means))
     loss_lines.append(("validation", val_steps, val_loss))
-    marks = [float(r.get("resumed_from_step") or 0) for r in restarts(records)]
+    marks = [float(r.resumed_from_step or 0) for r in restarts(records)]
     return [
         _line_plot(out_dir / "loss.png", "loss", "cross-entropy per label token", loss_lines,
                    marks=marks),
@@ -164,74 +164,70 @@ def _embedded_image(path: Path, alt: str) -> str:
             f'title="{html.escape(path.name)}"><figcaption>{html.escape(path.name)}</figcaption></figure>')
 
 
-def _task_table(tasks: dict[str, Any]) -> str:
+def _task_table(tasks: dict[str, TaskEvalResult]) -> str:
     """eval.json's tasks as one table: a row per task and metric, base (before) and adapter
     (after) side by side."""
     head = ("<tr><th>task</th><th>items</th><th>metric</th><th>base (before)</th>"
             "<th>adapter (after)</th></tr>")
     rows = []
     for name, result in tasks.items():
-        before, after = result.get("before") or {}, result.get("after") or {}
-        for metric, value in before.items():
-            cells = [name, result.get("items"), metric, f"{100 * value:.1f}%",
+        after = result.after or {}
+        for metric, value in result.before.items():
+            cells = [name, result.items, metric, f"{100 * value:.1f}%",
                      f"{100 * after[metric]:.1f}%" if metric in after else "-"]
             rows.append("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in cells)
                         + "</tr>")
     return f"<table>{head}{''.join(rows)}</table>"
 
 
-def render_html(records: list[dict[str, Any]], summary: dict[str, Any], config_text: str,
-                images: list[Path], title: str, tasks: dict[str, Any] | None = None) -> str:
-    environment = [
-        ("CPU", summary.get("cpu")),
-        ("compute dtype", summary.get("dtype")),
-        ("ranks", summary.get("world_size")),
-        ("threads per rank", summary.get("threads_per_rank")),
-        ("communication", summary.get("communication")),
-        ("launcher", summary.get("launcher")),
-        ("global batch (samples)", summary.get("global_batch")),
-    ]
-    steps = [r["step"] for r in records if "loss" in r and "step" in r]
+def _summary_tables(summary: RunSummary | None, records: list[MetricsLine]) -> list[str]:
+    """The final figures and the environment of a run, as HTML tables."""
+    steps = [r.step for r in records if isinstance(r, StepRecord)]
+    if summary is None:
+        return ["<p><strong>No summary.json: the run did not finish (stopped or still running); "
+                "the plots show the steps logged so far.</strong></p>",
+                "<h2>Final figures</h2>",
+                _table([("steps", steps[-1] if steps else None),
+                        ("restarts (cpudist launch --restarts)", len(restarts(records)) or None)])]
+    before, after = summary.eval_before, summary.eval_after
     figures = [
-        ("steps", summary.get("steps", steps[-1] if steps else None)),
-        ("final train loss", summary.get("train_loss")),
-        ("validation loss before", summary.get("val_loss_before")),
-        ("validation loss after", summary.get("val_loss_after")),
-        ("validation perplexity before", summary.get("val_ppl_before")),
-        ("validation perplexity after", summary.get("val_ppl_after")),
-        ("tokens/s (whole run)", summary.get("tokens_per_s")),
-        ("tokens seen", summary.get("tokens_seen")),
-        ("wall time (s)", summary.get("wall_s")),
-        ("peak RSS rank 0 (GB)", summary.get("peak_rss_gb")),
-        ("skipped non-finite steps", summary.get("bad_steps")),
+        ("steps", summary.steps), ("final train loss", summary.train_loss),
+        *((f"validation {name.removeprefix('val_')} before", value)
+          for name, value in before.items()),
+        *((f"validation {name.removeprefix('val_')} after", value) for name, value in after.items()),
+        ("tokens/s (whole run)", summary.tokens_per_s), ("tokens seen", summary.tokens_seen),
+        ("wall time (s)", summary.wall_s), ("peak RSS rank 0 (GB)", summary.peak_rss_gb),
+        ("skipped non-finite steps", summary.bad_steps),
         ("restarts (cpudist launch --restarts)", len(restarts(records)) or None),
     ]
+    environment = [
+        ("CPU", summary.cpu), ("compute dtype", summary.dtype), ("ranks", summary.world_size),
+        ("threads per rank", summary.threads_per_rank), ("communication", summary.communication),
+        ("launcher", summary.launcher), ("global batch (samples)", summary.global_batch),
+    ]
+    return ["<h2>Final figures</h2>", _table(figures), "<h2>Environment</h2>", _table(environment)]
+
+
+def render_html(records: list[MetricsLine], summary: RunSummary | None, config_text: str,
+                images: list[Path], title: str, tasks: dict[str, TaskEvalResult] | None = None
+                ) -> str:
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>{html.escape(title)}</h1>",
+        f"<h1>{html.escape(title)}</h1>", *_summary_tables(summary, records),
+        "<h2>Plots</h2>", *(_embedded_image(p, p.stem) for p in images),
     ]
-    if not summary:
-        parts.append("<p><strong>No summary.json: the run did not finish (stopped or still "
-                     "running); the plots show the steps logged so far.</strong></p>")
-    parts += ["<h2>Final figures</h2>", _table(figures),
-              "<h2>Environment</h2>", _table(environment),
-              "<h2>Plots</h2>", *(_embedded_image(p, p.stem) for p in images)]
     if tasks:
         parts += ["<h2>Task evaluation (cpudist eval --task)</h2>", _task_table(tasks)]
     if restarts(records):
         parts += ["<h2>Restarts</h2>", _table([
-            (f"restart {r.get('attempt')} at {r.get('time')}",
-             f"{r.get('reason')}; resumed from step {r.get('resumed_from_step')}")
-            for r in restarts(records)])]
-    samples = summary.get("samples") or []
-    if samples:
+            (f"restart {r.attempt} at {r.time}",
+             f"{r.reason}; resumed from step {r.resumed_from_step}") for r in restarts(records)])]
+    if summary is not None and summary.samples:
         parts.append("<h2>Held-out answers before and after training</h2>")
-        for sample in samples:
-            parts.append(_table([("prompt", sample.get("prompt", "")),
-                                 ("reference", sample.get("reference", "")),
-                                 ("before", sample.get("before", "")),
-                                 ("after", sample.get("after", ""))]))
+        for sample in summary.samples:
+            parts.append(_table([("prompt", sample.prompt), ("reference", sample.reference),
+                                 ("before", sample.before), ("after", sample.after)]))
     parts += ["<h2>Config</h2>", f"<pre>{html.escape(config_text or '(no config.yaml)')}</pre>",
               "</body></html>"]
     return "\n".join(parts)
@@ -333,16 +329,14 @@ def write_scaling_report(rows: list[dict[str, Any]], out_dir: Path) -> tuple[Pat
 # --------------------------------------------------------------------------- bench vs a peer
 
 
-def write_vs_plot(outcome: dict[str, Any], labels: dict[str, str], peer: str, path: Path) -> Path:
+def write_vs_plot(series: list[tuple[str, dict[str, float]]], labels: dict[str, str], peer: str,
+                  title: str, path: Path) -> Path:
     """Bar chart of cpudist / peer for each figure of a `bench --vs` outcome (above 1 = cpudist
-    higher), as the peer ships and, when measured, on cpudist's malloc too. labels: figure key
-    -> its name in the table."""
+    higher): one series of ratios per comparison ("as each ships", "same malloc"). labels: figure
+    key -> its name in the table."""
     plt = _pyplot()
-    keys = [k for k in outcome["ratios"] if k != "padding_fraction"]
+    keys = [k for k in series[0][1] if k != "padding_fraction"]
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    series = [("as each ships", outcome["ratios"])]
-    if "ratios_same_malloc" in outcome:
-        series.append(("same malloc", outcome["ratios_same_malloc"]))
     width = 0.8 / len(series)
     for number, (label, ratios) in enumerate(series):
         xs = [i + (number - (len(series) - 1) / 2) * width for i in range(len(keys))]
@@ -353,8 +347,7 @@ def write_vs_plot(outcome: dict[str, Any], labels: dict[str, str], peer: str, pa
         ax.legend(fontsize=8)
     ax.axhline(1.0, color="grey", linestyle="--")
     ax.set_ylabel(f"cpudist / {peer}")
-    ax.set_title(f"cpudist vs {peer}: {outcome['cpudist']['data'].split(':')[0]}, "
-                 f"{outcome['cpudist']['dtype'].split(':')[0]}")
+    ax.set_title(title)
     ax.tick_params(axis="x", labelrotation=20)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -1,1 +1,2 @@
-"""Training: the engine (the one setup), the loop, evaluation, checkpoints, output, faults."""
+"""Training: the engine (the one setup and the one step), the run in phases, checkpoints, output,
+the memory plan, signals and injected faults."""

@@ -13,7 +13,7 @@ during a save leaves the previous checkpoint as it was; leftovers are removed on
 checks the manifest: a damaged newest checkpoint is moved aside and the previous one used, which
 is why train.keep_last is at least 2.
 
-`save`/`restore` connect a checkpoint with an engine: every rank's RNG is gathered for rank 0 to
+`save`/`load_resume`/`apply` connect a checkpoint with an engine: every rank's RNG is gathered for rank 0 to
 write, and rank 0 alone reads a checkpoint and sends it to the others (no shared filesystem needed).
 """
 
@@ -58,6 +58,13 @@ class TrainState:
     tokens_seen: int = 0
     elapsed_s: float = 0.0  # training wall time before this process started
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def position(self, steps_per_epoch: int) -> tuple[int, int]:
+        """(epoch, step in the epoch) of the next step, moving on to the next epoch at the end
+        of one."""
+        if self.step_in_epoch >= steps_per_epoch:
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        return self.epoch, self.step_in_epoch
 
 
 def rng_state() -> dict[str, Any]:
@@ -186,19 +193,6 @@ def _saved_state(path: Path, payload: dict[str, Any] | None = None) -> TrainStat
     return state
 
 
-def peek(resume: str | None, out: Path, placement: Placement) -> TrainState | None:
-    """The counters of the checkpoint train.resume will continue from (every rank gets rank 0's
-    reading), before anything is built: a different world size changes how the batch is split."""
-    if resume is None:
-        return None
-
-    def read() -> TrainState | None:
-        found = find_resume(resume, out / "checkpoints")
-        return _saved_state(found) if found else None
-
-    return broadcast(rank0_only(placement, read), placement)
-
-
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
     try:
         payload = json.loads((path / "state.json").read_text())
@@ -234,29 +228,34 @@ def save(engine: Engine, state: TrainState, out: Path) -> None:
     rank0_only(engine.placement, write)
 
 
-def restore(engine: Engine, resume: str | None, out: Path) -> TrainState | None:
-    """Continue from the checkpoint train.resume names (the newest for auto); None when there is
-    none. A checkpoint that does not fit this run stops every rank together."""
+def load_resume(resume: str | None, out: Path, placement: Placement) -> LoadedCheckpoint | None:
+    """The checkpoint train.resume continues from (the newest intact one for auto), read once by
+    rank 0 and sent to every rank (no shared filesystem needed); None when there is none."""
+    if resume is None:
+        return None
+
+    def read() -> LoadedCheckpoint | None:
+        found = find_resume(resume, out / "checkpoints")
+        return load_checkpoint(found) if found else None
+
+    # broadcast pickles, but only between this job's own processes.
+    return broadcast(rank0_only(placement, read), placement)
+
+
+def apply(engine: Engine, loaded: LoadedCheckpoint) -> TrainState:
+    """Continue from a loaded checkpoint: adapter, optimizer, schedule and this rank's RNG. A
+    checkpoint that does not fit this run stops every rank together."""
     from peft import set_peft_model_state_dict
 
     placement = engine.placement
-    found = rank0_only(placement, lambda: find_resume(resume, out / "checkpoints"))
-    path = broadcast(str(found) if found else None, placement)
-    if path is None:
-        if resume is not None and resume != "auto":
-            raise UserError(f"train.resume={resume!r}: not a checkpoint")
-        return None
-    # broadcast pickles, but only between this job's own processes.
-    loaded = broadcast(rank0_only(placement, lambda: load_checkpoint(Path(path))), placement)
-    assert loaded is not None
 
-    def apply() -> TrainState:
+    def load() -> TrainState:
         saved = loaded.state
         if saved.global_batch != engine.global_batch:
             raise UserError(
-                f"checkpoint {path} trained with a global batch of {saved.global_batch} rows and "
-                f"this run's is {engine.global_batch}; resume with the same train.global_batch "
-                "(or the same batch_size x grad_accum x ranks)")
+                f"checkpoint {loaded.path} trained with a global batch of {saved.global_batch} "
+                f"rows and this run's is {engine.global_batch}; resume with the same "
+                "train.global_batch (or the same batch_size x grad_accum x ranks)")
         set_peft_model_state_dict(engine.model, loaded.adapter_tensors)
         load_optimizer(engine.optimizer, engine.param_names, loaded.optimizer_tensors,
                        loaded.optimizer_settings)
@@ -267,6 +266,6 @@ def restore(engine: Engine, resume: str | None, out: Path) -> TrainState | None:
         set_rng_state(loaded.rng_states[placement.rank if placement.rank < ranks else 0])
         return replace(saved, world_size=placement.world_size)
 
-    state = agreed(placement, apply)
-    log.info("resumed from %s at step %d", path, state.step)
+    state = agreed(placement, load)
+    log.info("resumed from %s at step %d", loaded.path, state.step)
     return state

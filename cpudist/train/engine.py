@@ -1,12 +1,12 @@
 """The engine: the one setup of a training rank, and the one training step.
 
-`build_engine` loads a model for training (base + fresh adapter, data, optimizer, schedule, DDP)
-and `Engine.step` takes one optimizer step. `cpudist train` loops over that step, `cpudist bench`
-times it: there is no other copy of the setup or of the step. (Eval and generate load their model
-with cpudist.train.session.open_session, after the same process setup.)
+`build_engine` loads a model for training (base + fresh adapter, the objective's data and loss,
+optimizer, schedule, DDP) and `Engine.step` takes one optimizer step. `cpudist train` loops over
+that step, `cpudist bench` times it: there is no other copy of the setup or of the step. What
+varies between kinds of training is the objective (cpudist.objectives); nothing here knows which.
 
-One optimizer step: this rank's micro-batches -> forward (loss only at label positions) ->
-backward under no_sync except the last micro-step -> DDP allreduce of the adapter's gradients ->
+One optimizer step: this rank's micro-batches -> forward (the objective's loss module) ->
+backward under no_sync except the last micro-step -> DDP allreduce of the trainable gradients ->
 clip -> AdamW (skipped when the loss or gradient is not finite) -> LR schedule.
 """
 
@@ -19,53 +19,40 @@ import math
 import random
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from cpudist.config import Config
-from cpudist.data.batches import Batch, GlobalBatches, make_batch
-from cpudist.data.tokenize import TokenizedSplit
+from cpudist.data.batches import GlobalBatches
 from cpudist.errors import UserError
+from cpudist.infer.session import Session
 from cpudist.model.adapters import trainable_parameters
 from cpudist.model.load import build_model
-from cpudist.model.loss import CausalLMLoss
-from cpudist.runtime.comm import (
-    CommMeter,
-    agreed,
-    allreduce,
-    gradient_hook,
-)
+from cpudist.objectives import Datasets, ModelBatch, Objective, objective_for
+from cpudist.objectives.evaluation import add_sums, allreduce_sums, evaluate, zero_sums
+from cpudist.runtime.comm import CommMeter, agreed, allreduce, gradient_hook
 from cpudist.runtime.precision import choose_precision
 from cpudist.runtime.process import Process
-from cpudist.train.evaluate import evaluate_session
-from cpudist.train.session import Session
 
 log = logging.getLogger("cpudist")
 
-
-@dataclass
-class Datasets:
-    train: TokenizedSplit
-    val: TokenizedSplit
-    description: str  # for the log: where the samples come from, and how many
-
-
-# Loads the data once the tokenizer is known: (tokenizer, model) -> Datasets.
-DataLoader = Callable[[Any, nn.Module], Datasets]
+# Data other than the objective's own (the bench's samples): (tokenizer, model) -> Datasets.
+DataSource = Callable[[Any, nn.Module], Datasets]
 
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float  # mean over every label token of the global batch
+    loss: float  # mean over every unit (label token, row, pair) of the global batch
     grad_norm: float  # before clipping
-    label_tokens: float  # of the global batch (all ranks)
+    units: float  # what the loss is a mean over, in the global batch (all ranks)
+    label_tokens: float  # positions carrying loss in the global batch
     tokens: float  # real (non-padding) tokens of the global batch
     finite: bool  # False: loss or gradient not finite, the update was skipped
     lr: float  # the learning rate this step used
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's own
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
@@ -79,41 +66,48 @@ def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], floa
     return factor
 
 
-def build_engine(config: Config, process: Process, load_data: DataLoader,
+def build_engine(config: Config, process: Process, data: DataSource | None = None,
                  total_steps: int | None = None) -> Engine:
-    """Model, data, loss, optimizer, schedule and DDP of a training rank. Every rank gets the same
-    adapter initialisation (same seed); a UserError on any rank stops them all with its message."""
+    """Model, data, loss, optimizer, schedule and DDP of a training rank, for the objective
+    train.objective names; `data` replaces the objective's own data (the bench's samples). Every
+    rank gets the same adapter initialisation (same seed); a UserError on any rank stops them all
+    with its message."""
+    objective = objective_for(config)
     random.seed(config.train.seed)
     torch.manual_seed(config.train.seed)
     precision = choose_precision(config.model.dtype)
 
-    def load() -> tuple[nn.Module, Any, Path, Datasets]:
+    def load() -> tuple[nn.Module, Any, Any, Datasets]:
         model, tokenizer, model_dir = build_model(config.model, config.lora, precision)
-        return model, tokenizer, model_dir, load_data(tokenizer, model)
+        datasets = data(tokenizer, model) if data else objective.load_data(tokenizer)
+        return model, tokenizer, model_dir, datasets
 
-    model, tokenizer, model_dir, data = agreed(process.placement, load)
-    session = Session(config, process, precision, model, tokenizer, model_dir,
-                      CausalLMLoss(model, config.train.loss_chunk_size))
-    return Engine(session, data, total_steps)
+    model, tokenizer, model_dir, datasets = agreed(process.placement, load)
+    session = Session(config, process, precision, model, tokenizer, model_dir)
+    return Engine(session, objective, datasets, total_steps)
 
 
 class Engine:
-    """A training rank: its session, data, optimizer, schedule and the module a step runs."""
+    """A training rank: its session, objective, data, optimizer, schedule and the module a step
+    runs."""
 
-    def __init__(self, session: Session, data: Datasets, total_steps: int | None = None) -> None:
+    def __init__(self, session: Session, objective: Objective, data: Datasets,
+                 total_steps: int | None = None) -> None:
         config, placement = session.config, session.process.placement
         tc = config.train
         self.session = session
+        self.objective = objective
         self.data = data
         self.config = config
         self.placement = placement
-        self.params = trainable_parameters(session.loss)
+        self.loss = objective.loss_module(session.model)
+        self.params = trainable_parameters(self.loss)
         self.param_names = [name for name, _ in self.params]
         self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
             [p for _, p in self.params], lr=tc.lr, weight_decay=tc.weight_decay)
-        loss_module: nn.Module = session.loss
+        step_module: nn.Module = self.loss
         if tc.ipex:
-            loss_module, self.optimizer = _ipex_optimize(loss_module, self.optimizer,
+            step_module, self.optimizer = _ipex_optimize(step_module, self.optimizer,
                                                          session.precision.compute_dtype)
         self.batches = GlobalBatches(data.train, tc.batch_size, tc.grad_accum,
                                      placement.world_size, tc.seed, config.data.group_by_length)
@@ -121,8 +115,8 @@ class Engine:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(tc.warmup_steps, self.total_steps, tc.min_lr_ratio))
         self.comm = CommMeter()  # the gradient allreduce, measured (zero in a single process)
-        self.step_module = (wrap_ddp(loss_module, config, self.comm) if placement.distributed
-                            else loss_module)
+        self.step_module = (wrap_ddp(step_module, config, self.comm) if placement.distributed
+                            else step_module)
         hidden = getattr(getattr(self.model, "config", None), "hidden_size", 0) or 0
         self.compiled, why = decide_compile(config, hidden, self.total_steps, compiler_problem)
         if self.compiled:
@@ -146,19 +140,19 @@ class Engine:
         tc = self.config.train
         return tc.batch_size * tc.grad_accum * self.placement.world_size
 
-    def micro_batches(self, epoch: int, index: int) -> list[Batch]:
+    def micro_batches(self, epoch: int, index: int) -> list[ModelBatch]:
         """This rank's micro-batches of optimizer step `index` of `epoch`."""
-        return [make_batch(self.data.train, indices, self.session.pad_id, self.config)
+        return [self.objective.make_batch(self.data.train, indices, self.session.pad_id)
                 for indices in self.batches.step_batches(epoch, index, self.placement.rank)]
 
-    def step(self, micro: list[Batch]) -> StepResult:
+    def step(self, micro: list[ModelBatch]) -> StepResult:
         """One optimizer step over this rank's micro-batches (every rank calls it together)."""
-        label_tokens, tokens = allreduce(
-            [sum(b.label_tokens for b in micro), sum(b.tokens for b in micro)], self.placement)
-        loss_local = self._accumulate_gradients(micro, label_tokens)
+        units, label_tokens, tokens = allreduce(
+            [sum(self.objective.weight(b) for b in micro), sum(b.label_tokens for b in micro),
+             sum(b.tokens for b in micro)], self.placement)
+        sums = allreduce_sums(self._accumulate_gradients(micro, units), self.placement)
+        loss = sums["loss"] / max(units, 1.0)
         max_norm = self.config.train.max_grad_norm or float("inf")
-        (loss_global,) = allreduce([loss_local], self.placement)
-        loss = loss_global / max(label_tokens, 1.0)
         # A named scope, so that `bench --profile` can tell the optimizer's time from the rest.
         with torch.profiler.record_function("cpudist.optimizer"):
             grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in self.params], max_norm)
@@ -168,31 +162,35 @@ class Engine:
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, float(grad_norm), label_tokens, tokens, finite, lr)
+        return StepResult(loss, float(grad_norm), units, label_tokens, tokens, finite, lr,
+                          self.objective.step_metrics(sums, units))
 
-    def _accumulate_gradients(self, micro: list[Batch], label_tokens: float) -> float:
-        """Forward and backward over the micro-batches; returns this rank's loss sum.
+    def _accumulate_gradients(self, micro: list[ModelBatch], units: float) -> dict[str, float]:
+        """Forward and backward over the micro-batches; returns this rank's sums (loss, units and
+        the objective's metrics).
 
         Gradients are allreduced only on the last micro-batch (no_sync before). Each rank's loss
-        is scaled so the averaged gradient is the mean over every label token of the global batch,
-        whatever the world size or per-rank token counts.
+        is scaled so the averaged gradient is the mean over every unit of the global batch,
+        whatever the world size or per-rank counts.
         """
-        scale = self.placement.world_size / max(label_tokens, 1.0)
+        scale = self.placement.world_size / max(units, 1.0)
         module = self.step_module
-        loss_local = 0.0
+        sums = zero_sums(self.objective)
         for k, batch in enumerate(micro):
             last = k == len(micro) - 1
             no_sync = (module.no_sync() if self.placement.distributed and not last
                        and hasattr(module, "no_sync") else contextlib.nullcontext())
             with no_sync, self.session.precision.autocast():
-                loss_sum, _ = module(**batch.as_kwargs())
-                (loss_sum * scale).backward()
-            loss_local += float(loss_sum.detach())
-        return loss_local
+                output = module(**batch.as_kwargs())
+                (output.total * scale).backward()
+            add_sums(sums, output)
+        return sums
 
     def evaluate(self) -> dict[str, float]:
-        """Validation loss and perplexity (all ranks)."""
-        return evaluate_session(self.session, self.data.val, self.config.train.eval_batches)
+        """The objective's validation figures (all ranks)."""
+        session, tc = self.session, self.config.train
+        return evaluate(self.objective, self.loss, self.data.val, tc.batch_size, session.pad_id,
+                        session.precision, self.placement, tc.eval_batches)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -27,7 +27,8 @@ def nan_steps(environ: dict[str, str] | None = None) -> set[int]:
 
 
 def install(loss_module: nn.Module, grad_accum: int, start_step: int) -> None:
-    """Hook the faults the environment asks for into loss_module's forward (no-op when none).
+    """Hook the faults the environment asks for into loss_module's forward, which returns a
+    cpudist.model.loss.LossOutput (no-op when none).
 
     The hook counts training forwards (grad enabled, training mode: evaluation does neither) to
     know the optimizer step: grad_accum of them per step, after start_step done steps.
@@ -50,8 +51,7 @@ def install(loss_module: nn.Module, grad_accum: int, start_step: int) -> None:
         step = start_step + forwards[0] // grad_accum + 1
         forwards[0] += 1
         if step in steps:
-            loss_sum, count = output
-            return loss_sum * float("nan"), count
+            return output._replace(total=output.total * float("nan"))
         return output
 
     loss_module.register_forward_hook(poison, with_kwargs=True)

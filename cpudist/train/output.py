@@ -1,25 +1,31 @@
 """The output directory of a run (written by rank 0 alone):
 
-  config.yaml      the resolved config        metrics.jsonl   one line per logged step
-  adapter/         the final adapter (PEFT,   checkpoints/    resumable step-N directories
-                   its base record and card)
-  summary.json     final figures              report.html, *.png   plots (cpudist.report.plots)
-  eval.json        `cpudist eval --task` results, base and adapter, one entry per task
+  config.yaml         the config as given: what a repeat resolves again on any machine (each
+                      checkpoint's config.yaml holds the resolved one: micro-batch, accumulation)
+  metrics.jsonl       one line per logged step (cpudist.records)
+  adapter/            the final adapter (PEFT, with its base record and model card)
+  checkpoints/        resumable step-N directories (cpudist.train.checkpoint)
+  summary.json        final figures (cpudist.records.RunSummary)
+  report.html, *.png  plots (cpudist.report.plots)
+  eval.json           `cpudist eval --task` results, base and adapter, one entry per task
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cpudist.config import Config, load_config
+from cpudist.config import Config
 from cpudist.errors import UserError
-from cpudist.files import remove, replacing, write_text
+from cpudist.files import remove, replacing
+from cpudist.records import RunSummary
+
+if TYPE_CHECKING:
+    from cpudist.objectives import Objective
 
 log = logging.getLogger("cpudist")
 
@@ -92,43 +98,23 @@ def save_final_adapter(model: Any, target: Path, record: dict[str, Any] | None =
                         f"in the newest checkpoint under {target.parent / 'checkpoints'}") from exc
 
 
-def write_summary(out: Path, summary: dict[str, Any]) -> None:
-    write_text(out / "summary.json", json.dumps(summary, indent=1, ensure_ascii=False))
-
-
 def resume_command() -> str:
     """This process's command line as `cpudist ...` with train.resume=auto."""
     args = [a for a in sys.argv[1:] if not a.startswith("train.resume=")]
     return " ".join(shlex.quote(a) for a in ["cpudist", *args, "train.resume=auto"])
 
 
-def print_outcome(summary: dict[str, Any]) -> None:
-    lines = [f"done: {summary['steps']} steps in {summary['wall_s']:.0f} s, "
-             f"{summary['tokens_per_s']:.0f} tokens/s, peak RSS {summary['peak_rss_gb']:.2f} GB"]
-    if "val_loss_before" in summary and "val_loss_after" in summary:
-        lines.append(f"validation loss: before {summary['val_loss_before']:.4f} -> after "
-                     f"{summary['val_loss_after']:.4f} (perplexity {summary['val_ppl_before']:.2f}"
-                     f" -> {summary['val_ppl_after']:.2f})")
-    for sample in summary.get("samples", []):
-        lines.append(f"held-out prompt: {sample['prompt']!r}")
-        lines.append(f"  reference: {sample['reference']}")
-        lines.append(f"  before:    {sample['before']}")
-        lines.append(f"  after:     {sample['after']}")
+def print_outcome(summary: RunSummary, objective: Objective) -> None:
+    lines = [f"done: {summary.steps} steps in {summary.wall_s:.0f} s, "
+             f"{summary.tokens_per_s:.0f} tokens/s, peak RSS {summary.peak_rss_gb:.2f} GB"]
+    if summary.eval_before and summary.eval_after:
+        lines.append(objective.describe_eval(summary.eval_before, summary.eval_after))
+    for sample in summary.samples:
+        lines.append(f"held-out prompt: {sample.prompt!r}")
+        lines.append(f"  reference: {sample.reference}")
+        lines.append(f"  before:    {sample.before}")
+        lines.append(f"  after:     {sample.after}")
     log.info("\n".join(lines))
-
-
-def adapter_run_config(adapter_dir: Path) -> tuple[Config | None, Path | None]:
-    """The config of the run that wrote an adapter: OUTPUT/config.yaml beside OUTPUT/adapter, or
-    step-N/config.yaml beside a checkpoint's adapter/. (None, None) when there is none."""
-    path = adapter_dir.parent / "config.yaml"
-    if not path.is_file():
-        return None, None
-    try:
-        return load_config(path), path
-    except UserError as exc:
-        print(f"note: ignoring {path} ({exc}); using default settings", file=sys.stderr)
-        return None, None
-
 
 
 def run_dir_of(adapter_dir: Path) -> Path | None:

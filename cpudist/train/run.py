@@ -1,8 +1,15 @@
-"""`cpudist train`: the training loop, one readable function from config to adapter.
+"""`cpudist train`: a run in four phases.
 
-The engine (cpudist.train.engine) sets the rank up and takes each optimizer step; this loop decides
-which samples each step sees, logs, evaluates, checkpoints, stops on a signal, and at the end saves
-the adapter and the summary. Rank 0 alone writes OUTPUT/ (cpudist.train.output).
+  resolve  the config the run will use, before anything is loaded or written: the checkpoint it
+           continues (read once), that checkpoint's global batch kept on another world size,
+           train.global_batch / batch_size=auto made concrete, the memory plan checked
+  set up   OUTPUT/ prepared, the engine built (cpudist.train.engine: model, the objective's data
+           and loss, optimizer, DDP), the checkpoint applied, metrics opened, validation before
+  fit      the loop: a step, its record, evaluation, checkpoint, a signal that stops the run
+  finish   the last checkpoint, validation after, the adapter, summary.json and the report
+
+Everything a run holds while it fits is one object, `Run`. Rank 0 alone writes OUTPUT/
+(cpudist.train.output).
 """
 
 from __future__ import annotations
@@ -11,218 +18,174 @@ import logging
 import math
 import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from cpudist.config import Config
-from cpudist.data.tokenize import build_datasets
 from cpudist.errors import UserError
+from cpudist.infer.generate import answer_prompts
 from cpudist.model.quantize import QuantizedLinear
+from cpudist.objectives import Prompt
+from cpudist.records import EvalRecord, HeldOutAnswer, RunSummary, StepRecord
 from cpudist.report.console import Progress
 from cpudist.report.metrics import MetricsLog
 from cpudist.runtime.allocator import in_use as allocator_in_use
+from cpudist.runtime.cluster import Placement
 from cpudist.runtime.comm import agreed, allreduce, rank0_only
 from cpudist.runtime.hardware import cpu_info
 from cpudist.runtime.memory import peak_rss_gb
 from cpudist.runtime.process import Process, start_process
 from cpudist.train import checkpoint, faults
-from cpudist.train.engine import Datasets, Engine, build_engine
-from cpudist.train.generate import answer_prompts, sample_prompts
-from cpudist.train.output import (
-    prepare_output,
-    print_outcome,
-    resume_command,
-    save_final_adapter,
-    write_summary,
-)
+from cpudist.train.engine import Engine, StepResult, build_engine
+from cpudist.train.output import prepare_output, print_outcome, resume_command, save_final_adapter
 from cpudist.train.plan import check_fits, keep_global_batch, resolve_batch
 from cpudist.train.signals import StopFlag
 
 log = logging.getLogger("cpudist")
 
 
-def train(config: Config, debug: bool = False) -> dict[str, Any] | None:
-    """Run a fine-tune as this process's rank; returns the summary on rank 0."""
+def train(config: Config, debug: bool = False) -> RunSummary | None:
+    """Run a fine-tune as this process's rank; returns the summary on rank 0 (None on other
+    ranks, and when a signal stopped the run)."""
     with start_process(config.dist, debug, resume_hint="Continue from the newest checkpoint "
                        "with train.resume=auto", stacks_dir=Path(config.output.dir)) as process:
-        return _run(config, process)
+        run = set_up(resolve(config, process.placement), process)
+        fit(run)
+        return finish(run)
 
 
-def training_data(config: Config, tokenizer: Any) -> Datasets:
-    train, val, stats = build_datasets(config.data, tokenizer, config.train.seed)
-    return Datasets(train, val, (
-        f"{stats['source']} -> {stats['train']} train / {stats['val']} validation samples; "
-        f"{stats['truncated']} of {stats['samples']} truncated to {config.data.max_length} "
-        f"tokens; {stats['dropped_no_labels']} dropped (no answer token left)"
-        + (f"; {stats['last_answer_only']} conversations train on their last answer only (the chat "
-           "template rewrites earlier turns)" if stats["last_answer_only"] else "")))
+# --------------------------------------------------------------------------- resolve
 
 
-def _run(config: Config, process: Process) -> dict[str, Any] | None:
-    placement = process.placement
-    given = config
-    # A checkpoint from another world size: its global batch is kept, split anew.
-    previous = checkpoint.peek(config.train.resume, Path(config.output.dir), placement)
-    if previous is not None and previous.world_size != placement.world_size:
+@dataclass
+class Resolved:
+    """The config a run uses, and where it starts."""
+
+    given: Config  # as given: OUTPUT/config.yaml, what a repeat on any machine resolves again
+    config: Config  # what this run uses: a concrete micro-batch and accumulation for its ranks
+    checkpoint: checkpoint.LoadedCheckpoint | None  # the one it continues, read once
+    batch_line: str  # how train.global_batch was split, for the log ("" when not set)
+
+
+def resolve(given: Config, placement: Placement) -> Resolved:
+    """The run's config on this world size, and its checkpoint; refuses, before anything is
+    loaded or written, a run whose global batch does not divide or that does not fit memory."""
+    loaded = checkpoint.load_resume(given.train.resume, Path(given.output.dir), placement)
+    config = given
+    if loaded is not None and loaded.state.world_size != placement.world_size:
+        # A checkpoint from another world size: its global batch is kept, split anew.
         config, note = agreed(placement, lambda: keep_global_batch(
-            given, previous.global_batch, placement.world_size))
-        log.info("resuming a %d-rank checkpoint: %s", previous.world_size, note)
-    # train.global_batch / batch_size=auto become a concrete micro-batch and accumulation here;
-    # the output keeps the settings as given (a resume on another machine resolves them again).
+            given, loaded.state.global_batch, placement.world_size))
+        log.info("resuming a %d-rank checkpoint: %s", loaded.state.world_size, note)
     resolved, batch_line = agreed(placement, lambda: resolve_batch(
         config, placement.world_size, placement.local_size))
     if config.train.batch_size == "auto" and placement.distributed:
         # Nodes may differ in memory: every rank takes the smallest micro-batch any rank chose.
-        (negated,) = allreduce([-float(resolved.train.batch_size)], placement, op="max")
-        if int(-negated) != resolved.train.batch_size:
-            smallest = config.model_copy(deep=True)
-            smallest.train.batch_size = int(-negated)
-            resolved, batch_line = resolve_batch(smallest, placement.world_size,
-                                                 placement.local_size)
+        (smallest,) = allreduce([float(resolved.train.batch_size)], placement, op="min")
+        if int(smallest) != resolved.train.batch_size:
+            fixed = config.model_copy(deep=True)
+            fixed.train.batch_size = int(smallest)
+            resolved, batch_line = resolve_batch(fixed, placement.world_size, placement.local_size)
             batch_line += ", the smallest any node's memory allows"
-    # Before anything is loaded or written: a run that cannot fit stops here, not in the kernel's
-    # OOM killer.
+    # A run that cannot fit stops here, not in the kernel's OOM killer.
     agreed(placement, lambda: check_fits(resolved, placement.local_size))
-    rank0_only(placement, lambda: prepare_output(given))
-    config = resolved
-    tc = config.train
-    if batch_line:
-        log.info("batch: %s", batch_line)
-    out = Path(config.output.dir)
+    return Resolved(given, resolved, loaded, batch_line)
+
+
+# --------------------------------------------------------------------------- set up
+
+
+class Clock:
+    """Training time: what the checkpoint's counters held before this process, plus this
+    process's own since its first step."""
+
+    def __init__(self, before_s: float) -> None:
+        self.before_s = before_s
+        self.started = time.perf_counter()
+
+    def this_process(self) -> float:
+        return time.perf_counter() - self.started
+
+    def elapsed(self) -> float:
+        return self.before_s + self.this_process()
+
+
+@dataclass
+class Run:
+    """A run while it fits: the engine, the counters a checkpoint saves, and this process's own
+    state (where it started, what it last saved, whether a signal stopped it)."""
+
+    config: Config
+    engine: Engine
+    state: checkpoint.TrainState
+    out: Path
+    resumed: bool
+    metrics: MetricsLog | None  # rank 0 only
+    stop: StopFlag
+    eval_before: dict[str, float]
+    prompts: list[Prompt]
+    answers_before: list[str]
+    progress: Progress = field(init=False)
+    clock: Clock = field(init=False)
+    start_step: int = field(init=False)
+    tokens_this_process: int = 0
+    last_loss: float = math.nan
+    last_saved: int = -1
+    stopped_by: int | None = None
+
+    def __post_init__(self) -> None:
+        placement = self.engine.placement
+        self.progress = Progress(self.engine.total_steps, self.state.step, placement.is_main,
+                                 allow_bar=not placement.distributed)
+        self.clock = Clock(self.state.elapsed_s)
+        self.start_step = self.state.step
+
+    @property
+    def placement(self) -> Placement:
+        return self.engine.placement
+
+
+def set_up(resolved: Resolved, process: Process) -> Run:
+    """OUTPUT/ prepared (rank 0), the engine built and the checkpoint applied, metrics opened, and
+    the validation figures and held-out answers before training."""
+    config, placement = resolved.config, process.placement
+    rank0_only(placement, lambda: prepare_output(resolved.given))
+    if resolved.batch_line:
+        log.info("batch: %s", resolved.batch_line)
     log.info("config:\n%s", config.to_yaml().rstrip())
     log.info(process.describe())
     log.info("communication: %s; malloc: %s", process.communication, allocator_in_use())
-
-    engine = build_engine(config, process, lambda tokenizer, _: training_data(config, tokenizer))
-    _log_setup(engine)
-    state = checkpoint.restore(engine, tc.resume, out)
-    resumed = state is not None
-    state = state or checkpoint.TrainState(world_size=placement.world_size,
-                                           global_batch=engine.global_batch)
-    faults.install(engine.session.loss, tc.grad_accum, state.step)
+    engine = build_engine(config, process)
+    log_setup(engine)
+    resumed = resolved.checkpoint is not None
+    state = (checkpoint.apply(engine, resolved.checkpoint) if resolved.checkpoint is not None
+             else checkpoint.TrainState(world_size=placement.world_size,
+                                        global_batch=engine.global_batch))
+    resolved.checkpoint = None  # applied: its tensors need not stay in memory
+    faults.install(engine.loss, config.train.grad_accum, state.step)
+    out = Path(config.output.dir)
     metrics = None
     if placement.is_main:
         # Resume asked for but no checkpoint yet: trimmed to step 0, keeping restart records.
-        kept_to = state.step if resumed else (0 if tc.resume is not None else None)
+        kept_to = state.step if resumed else (0 if config.train.resume is not None else None)
         metrics = MetricsLog(out / "metrics.jsonl", kept_to,
                              out / "tensorboard" if config.output.tensorboard else None)
-    stop = StopFlag(tc.save_on_signal)
-    summary: dict[str, Any] = {"world_size": placement.world_size, "threads_per_rank": process.threads,
-                               "dtype": engine.session.precision.describe(),
-                               "communication": process.communication,
-                               "global_batch": engine.global_batch, "cpu": cpu_info().model,
-                               "launcher": placement.launcher}
-    prompts = sample_prompts(engine.data.val, tc.sample_prompts) if placement.is_main else []
+    stop = StopFlag(config.train.save_on_signal)
+    prompts = (list(engine.objective.held_out_prompts(engine.data.val, config.train.sample_prompts))
+               if placement.is_main else [])
     before = {} if resumed else engine.evaluate()
     if before:
-        log.info("validation before training: loss %.4f, perplexity %.2f", before["val_loss"],
-                 before["val_ppl"])
-        summary.update(val_loss_before=before["val_loss"], val_ppl_before=before["val_ppl"])
-    answers_before = answer_prompts(engine.session, prompts, tc.max_new_tokens)
-
-    total_steps = engine.total_steps
-    progress = Progress(total_steps, state.step, placement.is_main,
-                        allow_bar=not placement.distributed)
-    started = run_started = time.perf_counter()
-    start_step, tokens_this_run = state.step, 0
-    last_loss = float("nan")
-    stopped_by: int | None = None
-    last_saved = -1
-    while state.step < total_steps:
-        if state.step_in_epoch >= engine.batches.steps_per_epoch:
-            state.epoch, state.step_in_epoch = state.epoch + 1, 0
-        step_started = time.perf_counter()
-        result = engine.step(engine.micro_batches(state.epoch, state.step_in_epoch))
-        if result.finite:
-            state.bad_steps_in_a_row = 0
-            last_loss = result.loss
-        else:
-            state.bad_steps_total += 1
-            state.bad_steps_in_a_row += 1
-            log.warning("step %d: non-finite %s; update skipped (%d in a row)", state.step + 1,
-                        "gradient norm" if math.isfinite(result.loss) else "loss",
-                        state.bad_steps_in_a_row)
-        state.step += 1
-        state.step_in_epoch += 1
-        state.tokens_seen += int(result.tokens)
-        tokens_this_run += int(result.tokens)
-        step_time = time.perf_counter() - step_started
-        record = {
-            "step": state.step, "epoch": state.epoch, "loss": result.loss, "lr": result.lr,
-            "grad_norm": result.grad_norm, "tokens_per_s": result.tokens / step_time,
-            "label_tokens_per_s": result.label_tokens / step_time, "step_s": step_time,
-            "elapsed": state.elapsed_s + time.perf_counter() - started,
-        }
-        if tc.eval_every and state.step % tc.eval_every == 0 and state.step < total_steps:
-            record.update(engine.evaluate())
-        if metrics is not None and (state.step % tc.log_every == 0 or "val_loss" in record):
-            metrics.write(record)
-        progress.update(state.step, result.loss, record["tokens_per_s"], result.lr)
-        if state.bad_steps_in_a_row >= tc.max_bad_steps:
-            raise UserError(
-                f"{state.bad_steps_in_a_row} steps in a row had a non-finite loss or gradient "
-                f"(step {state.step}); lower train.lr, check the data, or use model.dtype=float32. "
-                "No checkpoint with non-finite weights was written."
-            )
-        if "val_loss" in record:
-            progress.write(f"step {state.step}: validation loss {record['val_loss']:.4f}")
-        (stop_votes,) = allreduce([float(stop.signal is not None)], placement, op="max")
-        if stop_votes:
-            stopped_by = stop.signal or signal.SIGTERM
-        if (tc.save_every and state.step % tc.save_every == 0) or stopped_by:
-            state.elapsed_s += time.perf_counter() - started
-            started = time.perf_counter()
-            checkpoint.save(engine, state, out)
-            last_saved = state.step
-        if stopped_by:
-            break
-    progress.close()
-    wall = state.elapsed_s + time.perf_counter() - started
-    if stopped_by:
-        log.info("stopped by signal %d (%s) after step %d; checkpoint saved in %s. Resume with the "
-                 "same launch command (same number of ranks) plus train.resume=auto:\n  %s",
-                 stopped_by, signal.Signals(stopped_by).name, state.step, out / "checkpoints",
-                 resume_command())
-        return None
-
-    if last_saved != state.step:
-        state.elapsed_s = wall
-        checkpoint.save(engine, state, out)
-    after = engine.evaluate()
-    answers_after = answer_prompts(engine.session, prompts, tc.max_new_tokens)
-    if not placement.is_main:
-        return None
-    save_final_adapter(engine.model, out / "adapter", engine.base_record, {
-        "steps": state.step, "train_loss": last_loss if math.isfinite(last_loss) else None,
-        "val_loss_before": before.get("val_loss"), "val_loss_after": after.get("val_loss")})
-    if metrics is not None:
-        if after:
-            metrics.write({"step": state.step, **after})
-        metrics.close()
-    tokenizer = engine.session.tokenizer
-    summary.update(
-        steps=state.step, train_loss=last_loss, wall_s=wall,
-        tokens_per_s=(tokens_this_run / (time.perf_counter() - run_started)
-                      if state.step > start_step else 0.0),
-        tokens_seen=state.tokens_seen, bad_steps=state.bad_steps_total, peak_rss_gb=peak_rss_gb(),
-        samples=[{"prompt": tokenizer.decode(p, skip_special_tokens=False),
-                  "reference": tokenizer.decode(r, skip_special_tokens=True),
-                  "before": b, "after": a}
-                 for (p, r), b, a in zip(prompts, answers_before or [""] * len(prompts),
-                                         answers_after, strict=False)],
-    )
-    if after:
-        summary.update(val_loss_after=after["val_loss"], val_ppl_after=after["val_ppl"])
-    write_summary(out, summary)
-    print_outcome(summary)
-    if config.output.plots:
-        from cpudist.report.plots import write_report
-
-        write_report(out)
-    return summary
+        log.info("validation before training: %s", describe(before))
+    answers = answer_prompts(engine.session, [p.ids for p in prompts], config.train.max_new_tokens)
+    return Run(config, engine, state, out, resumed, metrics, stop, before, prompts, answers)
 
 
-def _log_setup(engine: Engine) -> None:
+def describe(figures: dict[str, float]) -> str:
+    """Validation figures in words: "loss 2.1234, ppl 8.3612"."""
+    return ", ".join(f"{name.removeprefix('val_')} {value:.4f}" for name, value in figures.items())
+
+
+def log_setup(engine: Engine) -> None:
     session, tc = engine.session, engine.config.train
     log.info("model: %s; dtype %s", session.model_dir, session.precision.describe())
     n_train = sum(p.numel() for _, p in engine.params)
@@ -236,3 +199,132 @@ def _log_setup(engine: Engine) -> None:
     log.info("global batch: %d = %d per rank x %d accumulation x %d ranks; %d steps per epoch, "
              "%d steps", engine.global_batch, tc.batch_size, tc.grad_accum,
              engine.placement.world_size, engine.batches.steps_per_epoch, engine.total_steps)
+
+
+# --------------------------------------------------------------------------- fit
+
+
+def fit(run: Run) -> None:
+    """Optimizer steps until the last one, or until a signal stops the run at a step boundary
+    (with a checkpoint)."""
+    engine, state, tc = run.engine, run.state, run.config.train
+    while state.step < engine.total_steps and run.stopped_by is None:
+        started = time.perf_counter()
+        epoch, index = state.position(engine.batches.steps_per_epoch)
+        result = engine.step(engine.micro_batches(epoch, index))
+        count_step(run, result)
+        record = step_record(run, result, time.perf_counter() - started)
+        if tc.eval_every and state.step % tc.eval_every == 0 and state.step < engine.total_steps:
+            record.evaluation = engine.evaluate()
+        log_step(run, record)
+        (stop_votes,) = allreduce([float(run.stop.signal is not None)], run.placement, op="max")
+        if stop_votes:
+            run.stopped_by = run.stop.signal or signal.SIGTERM
+        if run.stopped_by or (tc.save_every and state.step % tc.save_every == 0):
+            save_checkpoint(run)
+
+
+def count_step(run: Run, result: StepResult) -> None:
+    """A step's counters; a run whose steps keep failing stops (no non-finite weights saved)."""
+    state = run.state
+    state.step += 1
+    state.step_in_epoch += 1
+    state.tokens_seen += int(result.tokens)
+    run.tokens_this_process += int(result.tokens)
+    if result.finite:
+        state.bad_steps_in_a_row = 0
+        run.last_loss = result.loss
+        return
+    state.bad_steps_total += 1
+    state.bad_steps_in_a_row += 1
+    log.warning("step %d: non-finite %s; update skipped (%d in a row)", state.step,
+                "gradient norm" if math.isfinite(result.loss) else "loss", state.bad_steps_in_a_row)
+
+
+def step_record(run: Run, result: StepResult, seconds: float) -> StepRecord:
+    return StepRecord(step=run.state.step, epoch=run.state.epoch, loss=result.loss, lr=result.lr,
+                      grad_norm=result.grad_norm, tokens_per_s=result.tokens / seconds,
+                      label_tokens_per_s=result.label_tokens / seconds, step_s=seconds,
+                      elapsed=run.clock.elapsed(), metrics=result.metrics)
+
+
+def log_step(run: Run, record: StepRecord) -> None:
+    """The step in metrics.jsonl (every train.log_every steps, and every evaluation) and on the
+    console; stops the run after train.max_bad_steps non-finite steps in a row."""
+    state, tc = run.state, run.config.train
+    if run.metrics is not None and (state.step % tc.log_every == 0 or record.evaluation):
+        run.metrics.write(record)
+    run.progress.update(state.step, record.loss, record.tokens_per_s, record.lr)
+    if state.bad_steps_in_a_row >= tc.max_bad_steps:
+        raise UserError(
+            f"{state.bad_steps_in_a_row} steps in a row had a non-finite loss or gradient "
+            f"(step {state.step}); lower train.lr, check the data, or use model.dtype=float32. "
+            "No checkpoint with non-finite weights was written.")
+    if record.evaluation:
+        run.progress.write(f"step {state.step}: validation {describe(record.evaluation)}")
+
+
+def save_checkpoint(run: Run) -> None:
+    run.state.elapsed_s = run.clock.elapsed()
+    checkpoint.save(run.engine, run.state, run.out)
+    run.last_saved = run.state.step
+
+
+# --------------------------------------------------------------------------- finish
+
+
+def finish(run: Run) -> RunSummary | None:
+    """After the last step: a checkpoint of it, validation after training, and on rank 0 the
+    adapter, the final metrics line, summary.json, the console's outcome and the report. A run a
+    signal stopped only says how to continue it."""
+    run.progress.close()
+    engine, state = run.engine, run.state
+    if run.stopped_by is not None:
+        log.info("stopped by signal %d (%s) after step %d; checkpoint saved in %s. Resume with the "
+                 "same launch command (same number of ranks) plus train.resume=auto:\n  %s",
+                 run.stopped_by, signal.Signals(run.stopped_by).name, state.step,
+                 run.out / "checkpoints", resume_command())
+        return None
+    wall = run.clock.elapsed()
+    if run.last_saved != state.step:
+        save_checkpoint(run)
+    after = engine.evaluate()
+    answers_after = answer_prompts(engine.session, [p.ids for p in run.prompts],
+                                   run.config.train.max_new_tokens)
+    if not run.placement.is_main:
+        return None
+    save_final_adapter(engine.model, run.out / "adapter", engine.base_record, {
+        "steps": state.step, "train_loss": run.last_loss if math.isfinite(run.last_loss) else None,
+        "val_loss_before": run.eval_before.get("val_loss"), "val_loss_after": after.get("val_loss")})
+    engine.objective.save_extras(run.out / "adapter")
+    assert run.metrics is not None
+    if after:
+        run.metrics.write(EvalRecord(state.step, after))
+    run.metrics.close()
+    summary = summarize(run, wall, after, answers_after)
+    summary.write(run.out / "summary.json")
+    print_outcome(summary, engine.objective)
+    if run.config.output.plots:
+        from cpudist.report.plots import write_report
+
+        write_report(run.out)
+    return summary
+
+
+def summarize(run: Run, wall: float, after: dict[str, float], answers_after: list[str]
+              ) -> RunSummary:
+    engine, state, process = run.engine, run.state, run.engine.session.process
+    tokenizer = engine.session.tokenizer
+    answers_before = run.answers_before or [""] * len(run.prompts)
+    return RunSummary(
+        world_size=run.placement.world_size, threads_per_rank=process.threads,
+        dtype=engine.session.precision.describe(), communication=process.communication,
+        global_batch=engine.global_batch, cpu=cpu_info().model, launcher=run.placement.launcher,
+        steps=state.step, train_loss=run.last_loss, wall_s=wall,
+        tokens_per_s=(run.tokens_this_process / run.clock.this_process()
+                      if state.step > run.start_step else 0.0),
+        tokens_seen=state.tokens_seen, bad_steps=state.bad_steps_total, peak_rss_gb=peak_rss_gb(),
+        eval_before=run.eval_before, eval_after=after,
+        samples=[HeldOutAnswer(tokenizer.decode(p.ids, skip_special_tokens=False),
+                               tokenizer.decode(p.reference, skip_special_tokens=True), b, a)
+                 for p, b, a in zip(run.prompts, answers_before, answers_after, strict=False)])

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cpudist_cmd, run
+from cpudist.records import BenchResult
+from tests.helpers import bench_result, cpudist_cmd, run
 
 FIELDS = ("tokens_per_s", "label_tokens_per_s", "samples_per_s", "s_per_step", "peak_rss_gb",
           "node_pss_gb", "mfu", "dtype", "threads", "world_size", "config", "padding_fraction",
@@ -212,9 +213,9 @@ def test_rounds_state_mfu_against_each_runs_peak_and_the_best_peak() -> None:
     MFU is marked and left out of the per-run spread."""
     from cpudist.commands.bench import summarize_rounds
 
-    def run(achieved: float, peak: float) -> dict[str, float | bool]:
-        return {"tokens_per_s": 50.0, "s_per_step": 40.0, "model_tflops": achieved,
-                "peak_tflops": peak, "mfu": achieved / peak, "mfu_valid": achieved <= peak}
+    def run(achieved: float, peak: float) -> BenchResult:
+        return bench_result(tokens_per_s=50.0, s_per_step=40.0, model_tflops=achieved,
+                            peak_tflops=peak, mfu=achieved / peak, mfu_valid=achieved <= peak)
 
     summary, lines = summarize_rounds([run(0.11, 0.19), run(0.11, 0.15), run(0.16, 0.15)])
     assert summary["mfu_median"] == pytest.approx(0.11 / 0.15 + (0.11 / 0.19 - 0.11 / 0.15) / 2)

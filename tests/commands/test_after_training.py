@@ -16,10 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cpudist.cli import main
 from cpudist.config import Config, DataConfig, DistConfig, LoraConfig, ModelConfig, TrainConfig, load_config
 from cpudist.data.tokenize import IGNORE, load_tokenized, tokenize_records
+from cpudist.infer.evaluate import evaluate_file
+from cpudist.infer.generate import generate, prompt_ids
+from cpudist.infer.session import Session, open_session
+from cpudist.objectives.sft import SFT
 from cpudist.runtime.process import start_process
-from cpudist.train.evaluate import evaluate_file
-from cpudist.train.generate import generate, prompt_ids, sample_prompts
-from cpudist.train.session import Session, open_session
 from tests.helpers import CHAT_ROWS, cpudist_cmd, run, tiny_overrides, write_jsonl
 
 STEPS = 16
@@ -121,7 +122,7 @@ def test_merged_model_loads_without_peft_and_matches_base_plus_adapter(
 
     # The merged directory is a base model for the other tools, with the same numbers.
     as_base = evaluate_file(_session(merged_dir, data=trained["val"]))
-    assert as_base["loss"] == pytest.approx(trained["summary"]["val_loss_after"], rel=1e-4)
+    assert as_base.loss == pytest.approx(trained["summary"]["val_loss_after"], rel=1e-4)
 
     # Writing over it needs --force.
     assert main(["merge", "--base", str(trained["base"]), "--adapter",
@@ -149,8 +150,8 @@ def test_eval_reproduces_the_trainers_validation_numbers(trained: dict) -> None:
 
     # Without the adapter: the base model's loss, which the run logged before training.
     before = evaluate_file(_session(trained["base"], data=trained["val"]))
-    assert before["loss"] == pytest.approx(summary["val_loss_before"], rel=1e-4)
-    assert after["loss"] < before["loss"]
+    assert before.loss == pytest.approx(summary["val_loss_before"], rel=1e-4)
+    assert after["loss"] < before.loss
 
     # Token accuracy and loss checked independently with full logits from plain transformers.
     session = _session(trained["base"], trained["out"] / "adapter", trained["val"])
@@ -176,8 +177,8 @@ def test_eval_reproduces_the_trainers_validation_numbers(trained: dict) -> None:
 
     # Batching does not change the figures (OUTPUT/ itself resolves to OUTPUT/adapter).
     other = evaluate_file(_session(trained["base"], trained["out"], trained["val"], batch_size=2))
-    assert other["loss"] == pytest.approx(after["loss"], rel=1e-4)
-    assert math.isclose(other["token_accuracy"], after["token_accuracy"])
+    assert other.loss == pytest.approx(after["loss"], rel=1e-4)
+    assert math.isclose(other.token_accuracy, after["token_accuracy"])
 
 
 def test_eval_takes_unset_settings_from_the_adapters_run(trained: dict,
@@ -199,8 +200,8 @@ def test_generation_prompt_is_the_training_prompt(tokenizer_dir: Path) -> None:
     for system in (None, "Answer briefly."):
         split, _ = tokenize_records(_chat_rows([(question, answer)]), tokenizer,
                                     DataConfig(system_prompt=system), "mem.jsonl")
-        expected, _ = sample_prompts(split, 1)[0]
-        assert prompt_ids(tokenizer, question, system) == expected
+        (expected,) = SFT(Config()).held_out_prompts(split, 1)
+        assert prompt_ids(tokenizer, question, system) == expected.ids
     text = tokenizer.decode(prompt_ids(tokenizer, question, "Answer briefly."))
     assert "Answer briefly." in text and text.endswith("<|im_start|>assistant\n")
 

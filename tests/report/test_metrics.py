@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from cpudist.records import EvalRecord, RestartEvent
 from cpudist.report import metrics as report
 from cpudist.report.metrics import MetricsLog, append_event
 from tests.helpers import REPO
@@ -60,6 +61,15 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines()]
 
 
+def line(step: int, **values: float) -> EvalRecord:
+    """A metrics line {"step": step, **values}."""
+    return EvalRecord(step, values)
+
+
+def restart(attempt: int, resumed_from_step: int | None = None) -> RestartEvent:
+    return RestartEvent(attempt, "rank lost", resumed_from_step, "2026-12-05T10:00:00+00:00")
+
+
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
@@ -70,7 +80,7 @@ def test_failed_writes_are_cut_off_warned_once_and_retried(
     metrics = MetricsLog(path, None, None)
     fail_writes(monkeypatch, {2, 3})
     for step in range(1, 5):
-        metrics.write({"step": step, "loss": 1.0 / step})
+        metrics.write(line(step, loss=1.0 / step))
     metrics.close()
     assert [r["step"] for r in lines(path)] == [1, 4]
     said = warnings(caplog)
@@ -87,16 +97,17 @@ def test_partial_write_at_the_file_size_limit_is_cut_off(tmp_path: Path) -> None
     script = textwrap.dedent(f"""
         import logging, resource
         from pathlib import Path
+        from cpudist.records import EvalRecord
         from cpudist.report.metrics import MetricsLog
         logging.basicConfig(format="%(message)s")
         path = Path({str(path)!r})
         metrics = MetricsLog(path, None, None)
-        metrics.write({{"step": 1, "loss": 2.0}})
+        metrics.write(EvalRecord(1, {{"loss": 2.0}}))
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 10, hard))
-        metrics.write({{"step": 2, "loss": 1.5}})
+        metrics.write(EvalRecord(2, {{"loss": 1.5}}))
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        metrics.write({{"step": 3, "loss": 1.0}})
+        metrics.write(EvalRecord(3, {{"loss": 1.0}}))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=REPO, timeout=60)
@@ -118,9 +129,9 @@ def test_unwritable_file_from_the_start(tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(Path, "write_bytes", refuse)
     metrics = MetricsLog(path, None, None)  # a new run cannot empty the old file
-    metrics.write({"step": 1, "loss": 3.0})
+    metrics.write(line(1, loss=3.0))
     monkeypatch.undo()
-    metrics.write({"step": 2, "loss": 2.0})  # empties it first, then appends
+    metrics.write(line(2, loss=2.0))  # empties it first, then appends
     assert [r["step"] for r in lines(path)] == [2]
     said = warnings(caplog)
     assert len(said) == 2 and "Permission denied" in said[0], said
@@ -155,14 +166,14 @@ def test_tensorboard_write_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(report, "_summary_writer", lambda directory: FakeWriter())
     tb = tmp_path / "tensorboard"
     metrics = MetricsLog(tmp_path / "metrics.jsonl", None, tb)
-    metrics.write({"step": 1, "loss": 2.0})
+    metrics.write(line(1, loss=2.0))
     FakeWriter.broken = True
     try:
-        metrics.write({"step": 2, "loss": 1.5})
-        metrics.write({"step": 3, "loss": 1.2})
+        metrics.write(line(2, loss=1.5))
+        metrics.write(line(3, loss=1.2))
     finally:
         FakeWriter.broken = False
-    metrics.write({"step": 4, "loss": 1.0})
+    metrics.write(line(4, loss=1.0))
     metrics.close()
     # A broken writer is dropped and a new one (a new event file) tried at the next write.
     assert len(FakeWriter.made) == 3 and all(w.closed for w in FakeWriter.made)
@@ -189,7 +200,7 @@ def test_resume_cuts_back_to_the_checkpoint_step(tmp_path: Path, caplog: pytest.
     path = tmp_path / "metrics.jsonl"
     path.write_text(content)
     metrics = MetricsLog(path, 2, None)
-    metrics.write({"step": 3, "loss": 1.0})
+    metrics.write(line(3, loss=1.0))
     assert [r["step"] for r in lines(path)] == [*kept, 3]
     said = warnings(caplog)
     if warned is None:
@@ -205,23 +216,20 @@ def test_resume_keeps_restart_records_after_the_checkpoint(tmp_path: Path) -> No
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"event": "restart", "attempt": 1}\n{"step": 2}\n{"step": 3}\n'
                     '{"step": 4, "lo')  # the killed rank's last line, cut short
-    append_event(path, {"event": "restart", "attempt": 2, "resumed_from_step": 2})
-    assert path.read_text().endswith('{"step": 3}\n{"event": "restart", "attempt": 2, '
-                                     '"resumed_from_step": 2}\n')
+    append_event(path, restart(2, resumed_from_step=2))
+    assert path.read_text().endswith('{"step": 3}\n' + json.dumps(restart(2, 2).to_json()) + "\n")
     metrics = MetricsLog(path, 2, None)
-    metrics.write({"step": 3, "loss": 1.0})
+    metrics.write(line(3, loss=1.0))
     assert lines(path) == [{"step": 1}, {"event": "restart", "attempt": 1}, {"step": 2},
-                           {"event": "restart", "attempt": 2, "resumed_from_step": 2},
-                           {"step": 3, "loss": 1.0}]
+                           restart(2, 2).to_json(), {"step": 3, "loss": 1.0}]
     # A job that finds no checkpoint at all (killed before the first) starts from step 0.
-    MetricsLog(path, 0, None).write({"step": 1})
-    assert lines(path) == [{"event": "restart", "attempt": 1},
-                           {"event": "restart", "attempt": 2, "resumed_from_step": 2}, {"step": 1}]
+    MetricsLog(path, 0, None).write(line(1))
+    assert lines(path) == [{"event": "restart", "attempt": 1}, restart(2, 2).to_json(), {"step": 1}]
 
 
 def test_append_event_to_a_new_or_unterminated_file(tmp_path: Path) -> None:
     path = tmp_path / "out" / "metrics.jsonl"
-    append_event(path, {"event": "restart"})
+    append_event(path, restart(1))
     path.write_bytes(path.read_bytes() + b"x" * 70000)  # a long last line without its newline
-    append_event(path, {"event": "restart", "attempt": 2})
-    assert lines(path) == [{"event": "restart"}, {"event": "restart", "attempt": 2}]
+    append_event(path, restart(2))
+    assert lines(path) == [restart(1).to_json(), restart(2).to_json()]

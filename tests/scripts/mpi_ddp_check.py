@@ -76,7 +76,7 @@ def check(path: str, model_dir: str, data_file: str, cache: str) -> None:
     pad = tokenizer.pad_token_id
     # Local gradients before DDP wraps the module: what the allreduced ones must average to.
     for ix in mine:
-        loss_sum, _ = module(**collate(train_data, ix, pad).as_kwargs())
+        loss_sum = module(**collate(train_data, ix, pad).as_kwargs()).total
         loss_sum.backward()
     local = [p.grad.detach().clone() for p in params]
     for p in params:
@@ -111,7 +111,7 @@ def check(path: str, model_dir: str, data_file: str, cache: str) -> None:
     for k, ix in enumerate(mine):
         last = k == len(mine) - 1
         with ddp.no_sync() if not last else contextlib.nullcontext():
-            loss_sum, _ = ddp(**collate(train_data, ix, pad).as_kwargs())
+            loss_sum = ddp(**collate(train_data, ix, pad).as_kwargs()).total
             loss_sum.backward()
         grads = gather_flat([p.grad for p in params], world)
         identical = all(torch.equal(grads[0], g) for g in grads[1:])

@@ -246,7 +246,7 @@ def test_surviving_rank_exits_within_the_timeout(fault: str, tiny_llama: Path, c
     # step boundary instead).
     stacks = (out / "lost-contact-rank0.txt").read_text()
     assert stacks.startswith("[rank 0] stack when contact was lost")
-    assert "train/loop.py" in stacks and "all threads (faulthandler)" in stacks
+    assert "train/run.py" in stacks and "all threads (faulthandler)" in stacks
     assert str(out / "lost-contact-rank0.txt") in stdout + stderr
 
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from cpudist.config import load_config
 from cpudist.train import engine
-from cpudist.train.loop import train
+from cpudist.train.run import train
 from tests.helpers import cpudist_cmd, run, tiny_overrides
 
 
@@ -44,7 +44,7 @@ def test_loss_falls_only_lora_changes_and_adapter_reloads(
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == 8
     assert sum(losses[-2:]) < sum(losses[:2])
-    assert summary["val_loss_after"] < summary["val_loss_before"]
+    assert summary.eval_after["val_loss"] < summary.eval_before["val_loss"]
 
     model = captured["model"]
     after = dict(model.named_parameters())

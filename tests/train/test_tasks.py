@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cpudist.cli import main
-from cpudist.train.tasks import (
+from cpudist.infer.tasks import (
     continuation_logprobs,
     exact_match,
     multiple_choice_scores,
@@ -124,9 +124,9 @@ def test_the_harness_yaml_and_a_bad_task_file_from_the_command_line(
 
 def test_before_is_computed_by_the_base_alone(trained: dict) -> None:
     from cpudist.config import Config, DistConfig, ModelConfig
+    from cpudist.infer.session import open_session
+    from cpudist.infer.tasks import base_only
     from cpudist.runtime.process import start_process
-    from cpudist.train.session import open_session
-    from cpudist.train.tasks import base_only
 
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     config = Config(model=ModelConfig(path=str(trained["base"]), dtype="float32"))

@@ -1,0 +1,324 @@
+"""Records that cross modules, typed and defined once; JSON is their form on disk.
+
+- StepRecord, EvalRecord, RestartEvent: the lines of OUTPUT/metrics.jsonl (a training step, the
+  final evaluation, a restart written by `cpudist launch --restarts`).
+- RunSummary: OUTPUT/summary.json, what `cpudist train` returns and report.html shows.
+- DataEvalResult, TaskEvalResult: `cpudist eval --data` and `--task` (OUTPUT/eval.json).
+- BenchResult: the figures of one `cpudist bench` run (or of its HF peer), computed for both by
+  cpudist.bench.figures.throughput_figures.
+
+Evaluation figures are named by the objective ("val_loss", "val_ppl", ...) and kept in a dict; on
+disk they are flat keys of the record, as they always were. No torch here: the launcher and the
+report read these without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cpudist.errors import UserError
+
+
+def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """The keys of data that are fields of dataclass cls."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+# --------------------------------------------------------------------------- metrics.jsonl
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step: its loss, schedule and throughput; `evaluation` holds the validation
+    figures when the step was followed by one (train.eval_every), `metrics` the objective's own
+    per-step figures."""
+
+    step: int
+    epoch: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    label_tokens_per_s: float
+    step_s: float
+    elapsed: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    evaluation: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        fields = asdict(self)
+        return {**{k: v for k, v in fields.items() if k not in ("metrics", "evaluation")},
+                **self.metrics, **self.evaluation}
+
+    def value(self, key: str) -> float | None:
+        found = self.to_json().get(key)
+        return float(found) if isinstance(found, (int, float)) else None
+
+
+@dataclass
+class EvalRecord:
+    """The evaluation after the last step (its figures, named by the objective)."""
+
+    step: int
+    evaluation: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, **self.evaluation}
+
+    def value(self, key: str) -> float | None:
+        return self.evaluation.get(key)
+
+
+@dataclass
+class RestartEvent:
+    """`cpudist launch --restarts` ran the job again (written between two jobs)."""
+
+    attempt: int
+    reason: str
+    resumed_from_step: int | None
+    time: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event": "restart", **asdict(self)}
+
+    def value(self, key: str) -> float | None:
+        return None
+
+
+MetricsLine = StepRecord | EvalRecord | RestartEvent
+
+
+def metrics_line(data: dict[str, Any]) -> MetricsLine | None:
+    """A line of metrics.jsonl as its record; None for a line of no kind cpudist writes."""
+    if data.get("event") == "restart":
+        return RestartEvent(**{"resumed_from_step": None, "time": "", **_known(RestartEvent, data)})
+    if "step" not in data:
+        return None
+    step_fields = {f.name for f in dataclasses.fields(StepRecord)} - {"metrics", "evaluation"}
+    if "loss" in data and step_fields <= set(data):
+        rest = {k: v for k, v in data.items() if k not in step_fields}
+        evaluation = {k: float(v) for k, v in rest.items() if k.startswith("val_")}
+        metrics = {k: float(v) for k, v in rest.items()
+                   if k not in evaluation and isinstance(v, (int, float))}
+        return StepRecord(**{k: data[k] for k in step_fields}, metrics=metrics,
+                          evaluation=evaluation)
+    evaluation = {k: float(v) for k, v in data.items()
+                  if k != "step" and isinstance(v, (int, float))}
+    return EvalRecord(int(data["step"]), evaluation) if evaluation else None
+
+
+# --------------------------------------------------------------------------- summary.json
+
+
+@dataclass
+class HeldOutAnswer:
+    """A held-out prompt answered before and after training."""
+
+    prompt: str
+    reference: str
+    before: str
+    after: str
+
+
+@dataclass
+class RunSummary:
+    """What a finished `cpudist train` run did (OUTPUT/summary.json)."""
+
+    world_size: int
+    threads_per_rank: int
+    dtype: str
+    communication: str
+    global_batch: int
+    cpu: str
+    launcher: str
+    steps: int = 0
+    train_loss: float | None = None
+    wall_s: float = 0.0
+    tokens_per_s: float = 0.0
+    tokens_seen: int = 0
+    bad_steps: int = 0
+    peak_rss_gb: float = 0.0
+    # Validation figures named by the objective (val_loss, val_ppl, ...); on disk as
+    # val_loss_before, val_loss_after, ...
+    eval_before: dict[str, float] = field(default_factory=dict)
+    eval_after: dict[str, float] = field(default_factory=dict)
+    samples: list[HeldOutAnswer] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        fields = asdict(self)
+        before, after = fields.pop("eval_before"), fields.pop("eval_after")
+        return {**fields, **{f"{k}_before": v for k, v in before.items()},
+                **{f"{k}_after": v for k, v in after.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunSummary:
+        before = {k.removesuffix("_before"): float(v) for k, v in data.items()
+                  if k.endswith("_before") and isinstance(v, (int, float))}
+        after = {k.removesuffix("_after"): float(v) for k, v in data.items()
+                 if k.endswith("_after") and isinstance(v, (int, float))}
+        samples = [HeldOutAnswer(**_known(HeldOutAnswer, s)) for s in data.get("samples") or []]
+        return cls(**{"world_size": 1, "threads_per_rank": 0, "dtype": "", "communication": "",
+                      "global_batch": 0, "cpu": "", "launcher": "",
+                      **_known(cls, data), "eval_before": before, "eval_after": after,
+                      "samples": samples})
+
+    def write(self, path: Path) -> None:
+        from cpudist.files import write_text
+
+        write_text(path, json.dumps(self.to_json(), indent=1, ensure_ascii=False))
+
+
+def read_summary(path: Path) -> RunSummary | None:
+    """OUTPUT/summary.json; None when the run has not finished (there is none)."""
+    if not path.exists():
+        return None
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg}); the run may have been "
+                        "cut off while writing it") from None
+    if not isinstance(loaded, dict):
+        raise UserError(f"{path}: not a summary (a JSON object is expected); remove it and run "
+                        "`cpudist report` again")
+    return RunSummary.from_json(loaded)
+
+
+# --------------------------------------------------------------------------- cpudist eval
+
+
+@dataclass
+class DataEvalResult:
+    """`cpudist eval --data FILE`: the trainer's validation figures on a file, and token accuracy."""
+
+    loss: float
+    perplexity: float
+    token_accuracy: float
+    label_tokens: int
+    samples: int
+    truncated: int
+    dropped: int
+    dtype: str
+    data: str
+    adapter: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        capped = " (capped)" if self.perplexity >= math.exp(50) else ""
+        return (f"loss {self.loss:.4f}  perplexity {self.perplexity:.2f}{capped}  token accuracy "
+                f"{100 * self.token_accuracy:.2f}%  ({self.label_tokens} label tokens, "
+                f"{self.samples} samples; {self.dtype})")
+
+
+@dataclass
+class TaskEvalResult:
+    """`cpudist eval --task FILE`: a task's metrics for the base alone (before) and with the
+    adapter (after); one entry of OUTPUT/eval.json."""
+
+    task: str
+    file: str
+    kind: str
+    items: int
+    prompt: str
+    base: str
+    adapter: str | None
+    dtype: str
+    before: dict[str, float]
+    after: dict[str, float] | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TaskEvalResult:
+        defaults = {"task": "", "file": "", "kind": "", "items": 0, "prompt": "", "base": "",
+                    "adapter": None, "dtype": "", "before": {}, "after": None}
+        return cls(**{**defaults, **_known(cls, data)})
+
+    def lines(self) -> list[str]:
+        lines = []
+        for metric, before in self.before.items():
+            after = (self.after or {}).get(metric)
+            line = f"{self.task} {metric}: base {100 * before:.1f}%"
+            if after is not None:
+                line += f" -> adapter {100 * after:.1f}%"
+            lines.append(f"{line}  ({self.items} items)")
+        return lines
+
+
+# --------------------------------------------------------------------------- cpudist bench
+
+
+@dataclass
+class BenchResult:
+    """The figures of one bench run (cpudist's, or its peer's: `framework` says which). The
+    throughput and MFU figures are computed for both sides by one function
+    (cpudist.bench.figures.throughput_figures); the communication figures exist for cpudist's."""
+
+    # Throughput, over the timed steps.
+    tokens_per_s: float
+    label_tokens_per_s: float
+    samples_per_s: float
+    s_per_step: float
+    s_per_step_median: float  # robust to other processes stealing the cores for a while
+    label_tokens_per_s_best_step: float
+    step_s: list[float]
+    padding_fraction: float
+    # Model FLOPs per second against the GEMM peak measured in the same run (best probe).
+    mfu: float
+    mfu_valid: bool  # achieved above the best probe: the probes missed the peak
+    model_tflops: float
+    peak_tflops: float
+    peak_samples_tflops: list[float]
+    # Memory: peak RSS of each rank, and the node's PSS (shared pages counted once).
+    peak_rss_gb: list[float]
+    node_pss_gb: float
+    # What ran.
+    framework: str
+    dtype: str
+    threads: int
+    world_size: int
+    steps: int
+    warmup_steps: int
+    data: str
+    model_dir: str
+    allocator: str
+    flop_model: dict[str, int]
+    config: dict[str, Any]  # the resolved config, as config.yaml holds it
+    load_s: float = 0.0  # setup (model, data, optimizer) before the first step
+    peak_rss_after_load_gb: float | None = None
+    losses: list[float] = field(default_factory=list)
+    # The gradient allreduce (cpudist.runtime.comm.CommMeter), per timed step.
+    comm_mb_per_step: float = 0.0
+    comm_exposed_s_per_step: float = 0.0
+    comm_bus_gbps: float = 0.0
+    compute_s_per_rank: list[float] = field(default_factory=list)
+    compute_spread: float = 0.0
+    wait_for_slowest_s: list[float] = field(default_factory=list)
+    gradient_mb: float = 0.0
+    compiled: bool = False
+    preset: str | None = None
+    layers: int | None = None
+    profile: dict[str, Any] | None = None  # `bench --profile`: cpudist.bench.profile's figures
+    host: str | None = None
+    quantization: str | None = None  # the peer's own quantization config, when it has one
+    link_tx_bytes: int | None = None  # on fake nodes: bytes the nodes' interfaces sent
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BenchResult:
+        return cls(**_known(cls, data))
+
+    def figure(self, key: str) -> float:
+        """A figure as one number (the largest rank's for per-rank lists)."""
+        value = getattr(self, key)
+        return max(value) if isinstance(value, list) else float(value)
