@@ -124,8 +124,8 @@ class TrainConfig(_Section):
     save_on_signal: bool = True
     max_bad_steps: int = Field(5, gt=0)  # consecutive non-finite steps before the run stops
     # Label positions per LM-head chunk; 0 = full logits. 512 rows of a 152k vocabulary are
-    # 156 MB of bf16 logits per rank; fewer rows stream the head's weights more often (256 was
-    # 3 % slower, 1024 no faster; docs/PERFORMANCE.md).
+    # 156 MB of bf16 logits per rank; fewer rows stream the head's weights more often
+    # (docs/PERFORMANCE.md, "Loss head: label-only, chunked").
     loss_chunk_size: int = Field(512, ge=0)
     # torch.compile over the decoder layers: true, false, or auto (compile where it was measured
     # to pay for its compile time: hidden size >= 768 and >= 200 steps, a C++ compiler present;

@@ -90,7 +90,7 @@ def batch_sample_lengths(batch: Batch) -> list[int]:
 
 class GemmPeak:
     """This machine's matmul peak in a dtype, measured the way MFU needs it: on a square GEMM and on
-    the model's own shapes, probed several times through a run (this VM's peak drifts by 2x over
+    the model's own shapes, probed several times through a run (a shared VM's peak drifts over
     minutes), the best probe kept. An achieved rate above it marks the run's MFU invalid."""
 
     def __init__(self, dtype: torch.dtype, shapes: list[tuple[int, int, int]] | None = None,

@@ -7,8 +7,8 @@ cpudist.bench.figures.throughput_figures, the same function the peers' figures c
 - peak_rss_gb per rank (ru_maxrss) and node_pss_gb: the sum over the node's ranks of the largest
   proportional set size seen (shared weight pages count once per node, split between ranks).
 - mfu: model FLOPs per second (cpudist.bench.figures) / GEMM peak of the compute dtype measured in
-  the same run (before and after the timed steps, several times each, maximum kept, all ranks at
-  once).
+  the same run (before, between and after the timed steps, several times each, maximum kept, all
+  ranks at once).
 """
 
 from __future__ import annotations

@@ -129,11 +129,9 @@ class Machine:
     about: str
 
 
-# Per core: 2.55-2.59 TFLOP/s bf16 on 2 cores of an AMX Xeon VM (docs/PERFORMANCE.md, second
-# round), i.e. ~1.29 TFLOP/s per core, taken to scale linearly to 56 cores. AMX's nominal peak is
-# 2048 bf16 FLOP per cycle per core (1024 FMAs): ~229 TFLOP/s at 2.0 GHz on 56 cores; the measured
-# per-core figure is a third of that, and what this table assumes. MFU as measured there: 29.9 %
-# for the Qwen2.5-0.5B shape (seq 512), 40.0 % for the 7B shape with activation checkpointing.
+# The per-core bf16 rate and the MFUs measured on a 2-core AMX Xeon VM, taken to scale linearly
+# to 56 cores (docs/PERFORMANCE.md, "The scaling model (predicted, not measured)"). AMX's nominal
+# peak is about three times that rate: the table assumes what was measured, not the datasheet.
 XEON_SPR_56 = Machine(
     "Xeon Sapphire Rapids, 56 cores (e.g. 8480+), AMX bf16", 56, 56 * 1.29,
     {"qwen2.5-0.5b": 0.30, "qwen2.5-7b": 0.40},

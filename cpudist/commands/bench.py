@@ -167,12 +167,13 @@ def summarize_rounds(runs: list[BenchResult]) -> tuple[dict[str, Any], list[str]
         lines.append(f"| {number} | {r.tokens_per_s:.1f} | {r.s_per_step:.2f} | "
                      f"{r.mfu:.1%}{mark} | {r.peak_tflops:.3f} |")
     valid = [r.mfu for r in runs if r.mfu_valid]
-    # The machine's peak does not change between runs, but a run's probes can all read low (an fp32
-    # probe read 0.19 TFLOP/s in one run and 0.15 in the next at the same tokens/s), which flatters
-    # that run's MFU: against the best peak of all the runs no run is flattered.
+    # The machine's peak does not change between runs, but a run's probes can all read low, which
+    # flatters that run's MFU: against the best peak of all the runs no run is flattered
+    # (docs/PERFORMANCE.md, "The GEMM peak and MFU").
     best_peak = max(r.peak_tflops for r in runs)
     against_best = [r.model_tflops / best_peak for r in runs]
-    summary = {"runs": [r.to_json() for r in runs], "mfu_median": statistics.median(valid) if valid else None,
+    summary = {"runs": [r.to_json() for r in runs],
+               "mfu_median": statistics.median(valid) if valid else None,
                "mfu_min": min(valid, default=None), "mfu_max": max(valid, default=None),
                "best_peak_tflops": best_peak,
                "mfu_best_peak_median": statistics.median(against_best),

@@ -12,8 +12,8 @@ adapted linear layer is replaced. What the replacement saves, per adapted layer 
 - Projections that read the same input (q/k/v of an attention block, gate/up of an MLP) compute
   their A products in one GEMM over the concatenated A matrices (SHARED_INPUT_GROUPS), and the
   input's gradient gets one LoRA contribution instead of three.
-- The B product's backward computes its two rank-wide results as wide ones (LoraUp): 2-4x faster
-  GEMMs in fp32, where the LoRA GEMMs took 6 % of a step in autograd's layout.
+- The B product's backward computes its two rank-wide results as wide ones (LoraUp): CPU GEMM
+  kernels vectorise along an output's columns, and r-wide outputs leave them mostly idle.
 A layer the fast path cannot serve exactly (dropout > 0, several adapters, a PEFT variant such
 as DoRA, adapters disabled or merged) keeps PEFT's forward, decided per call.
 docs/PERFORMANCE.md ("LoRA fast path") has the measured effect; tests/model/test_fast_lora.py
@@ -75,11 +75,9 @@ class LoraUp(torch.autograd.Function):
     (r = 8-64). CPU GEMM kernels vectorise along the output's columns, so those leave most of each
     AVX-512 register empty: here both are computed as their r-row transposes (h^T @ g, B^T @ g^T)
     and handed back transposed. The same products, summed in another order: the results differ
-    from autograd's by rounding only. At Qwen2.5-0.5B's step shape (2,048 tokens, r=8, 2 threads,
-    Zen 4; docs/bench/perf4/lora_gemm_layouts.py): fp32 grad_B 9.7 -> 4.9 ms (out 4,864) and
-    1.7 -> 0.4 ms (out 896), grad_h 6.1 -> 3.2 and 1.1 -> 0.4 ms; bf16 grad_B 1.7 -> 1.1 ms,
-    grad_h unchanged (0.8 ms; oneDNN packs its operands itself). The layout is fixed, not measured
-    per run, so a resumed run computes exactly what the uninterrupted one did.
+    from autograd's by rounding only (measured per shape by docs/bench/perf4/lora_gemm_layouts.py;
+    docs/PERFORMANCE.md, "LoRA fast path"). The layout is fixed, not measured per run, so a
+    resumed run computes exactly what the uninterrupted one did.
     """
 
     @staticmethod

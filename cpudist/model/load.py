@@ -50,7 +50,7 @@ def _convert_builtin(name: str, target: Path) -> None:
             f"'{pip_name}==0.1.2' (or point model.path at a local Hugging Face model directory)"
         )
     source = Path(next(iter(spec.submodule_search_locations)))
-    log.info("converting built-in model %s from %s (one time, about 30 s)", name, source / gguf_name)
+    log.info("converting built-in model %s from %s (once; it is cached)", name, source / gguf_name)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_name, dtype=torch.float32)
     # De-quantized weights are plain tensors now; drop the GGUF quantizer so it can be saved.
@@ -111,7 +111,7 @@ def attention_implementation(requested: str, hf_config: Any) -> str:
         return requested
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    # Custom-code models are not in the mapping: they keep sdpa, as before there was auto.
+    # Custom-code models are not in the mapping: they get sdpa.
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
     return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
 
@@ -216,8 +216,8 @@ def build_model(config: ModelConfig, lora: LoraConfig, precision: Precision
         peft_config.base_model_name_or_path = str(path.resolve())
     if config.gradient_checkpointing:
         enable_activation_checkpointing(model)
-    # from_pretrained leaves the base in eval mode, and decoder layers only checkpoint while
-    # training: without this, activation checkpointing was silently off until the first eval.
+    # from_pretrained leaves the base in eval mode, and decoder layers checkpoint only in
+    # training mode.
     model.train()
     return model, tokenizer, path
 

@@ -20,8 +20,8 @@ from cpudist.data.tokenize import IGNORE
 def softmax_rows() -> int:
     """Rows of a chunk whose softmax is taken together in fp32: two per thread (the softmax
     kernel splits rows among threads), at least 4. On 2 threads that is 2.4 MB of fp32 for a
-    152k vocabulary, which stays in cache through the five passes over it; whole 256-row chunks
-    (155 MB) went to memory and back each pass: measured 8-10 % slower and 0.15 GB more RSS."""
+    152k vocabulary, which stays in cache through the five passes over it; a whole chunk's fp32
+    copy would not (docs/PERFORMANCE.md, "Loss head: label-only, chunked")."""
     return max(4, 2 * torch.get_num_threads())
 
 
@@ -33,14 +33,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 targets: torch.Tensor, chunk: int, softcap: float | None = None) -> torch.Tensor:
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
-        # Two vocabulary-wide buffers serve every chunk (logits for the chunk, fp32 for a few of
-        # its rows). A fresh 100+ MB tensor per chunk and op cost more than the softmax itself:
+        # Vocabulary-wide buffers serve every chunk (logits for the chunk, fp32 for a few of its
+        # rows). A fresh 100+ MB tensor per chunk and op cost more than the softmax itself:
         # malloc maps such blocks anew each time and the kernel zero-fills every page on first
-        # touch (measured: a 156 MB copy 51 ms fresh, 6 ms reused).
+        # touch (docs/PERFORMANCE.md, "Loss head: label-only, chunked").
         width, vocab = min(chunk, hidden.shape[0]), weight.shape[0]
         logits_buffer = torch.empty((width, vocab), dtype=weight.dtype)
         # An fp32 head works on its logits in place: there is no copy to keep small, so it takes
-        # the whole chunk at once, as it was measured (unless soft-capping needs a second buffer).
+        # the whole chunk at once (unless soft-capping needs a second buffer).
         in_place = weight.dtype == torch.float32
         rows_fp32 = width if in_place and not softcap else min(width, softmax_rows())
         fp32_buffer = None if in_place else torch.empty((rows_fp32, vocab), dtype=torch.float32)

@@ -317,8 +317,9 @@ def check_base(adapter_dir: Path, base_dir: Path, ignore_fingerprint: bool = Fal
         raise UserError(f"--base {base_dir} does not fit --adapter {adapter_dir}: {mismatch}; pass "
                         "the base the adapter was trained on")
     if record is None:
-        _warn(f"--adapter {adapter_dir} has no {RECORD} (written by cpudist since issue 14), so "
-              f"cannot check that {base_dir} holds the weights it was trained on; its shapes fit")
+        _warn(f"--adapter {adapter_dir} has no {RECORD} (an adapter from another tool or an older "
+              f"cpudist), so cannot check that {base_dir} holds the weights it was trained on; its "
+              "shapes fit")
         return
     if record.get("fingerprint_scheme") != FINGERPRINT_SCHEME:
         _warn(f"{adapter_dir / RECORD}: fingerprint scheme {record.get('fingerprint_scheme')} is "

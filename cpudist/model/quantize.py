@@ -6,20 +6,20 @@ copy. Adapters train in full precision on top (peft's LoRA layer wraps `Quantize
 
 int8: one scale per output row (symmetric, absmax / 127). int4: a scale and a zero (min) per
 group of `model.quantize_group` input columns, 16 levels from min to max as llama.cpp's Q4_1
-(asymmetric: on SmolLM2 it lost a third of what symmetric int4 or NF4 lost at the same group
-size), two codes per byte: the low nibble holds column j, the high nibble column j + in/2 of the
-same row, so unpacking writes two contiguous halves. Scales and zeros are in the compute dtype.
+(asymmetric: on SmolLM2 it lost less than symmetric int4 or NF4 at the same group size;
+docs/PERFORMANCE.md, "Quality on a quantized base"), two codes per byte: the low nibble holds
+column j, the high nibble column j + in/2 of the same row, so unpacking writes two contiguous
+halves. Scales and zeros are in the compute dtype.
 
-Why not a library's kernel (measured on the Qwen2.5-7B MLP shape, 512 tokens x 3584 -> 18944,
-bf16, 2 threads of a Zen 5, forward + input gradient): bf16 nn.Linear 381 ms; bitsandbytes nf4
-522 ms and int8 1043 ms; torchao Int8WeightOnly 521 ms; torch's own _weight_int8pack_mm is 2.6x
-slower than the bf16 GEMM at 512 rows (it is made for decoding one row) and takes 20 s in fp32,
-_weight_int4pack_mm 2x slower. Here each matmul dequantizes its weight into one buffer that the
-whole process reuses (no page faults) and runs oneDNN's GEMM in the compute dtype: the dequant
-costs 7 % (int8) and 17 % (int4) of that GEMM, in bf16 and in fp32 (AVX2-only CPUs) alike.
-Neither library can map a per-node cache file either. The embeddings and the LM head stay in the
-compute dtype, mapped: a lookup touches only its rows' pages, and the chunked loss head streams
-through the head's rows, where a quantized head would need a vocabulary-sized dequantized copy.
+Why not a library's kernel: at training shapes (hundreds of rows), bitsandbytes' nf4/int8 and
+torchao's Int8WeightOnly ran slower than dequantizing into a buffer and calling oneDNN's GEMM, and
+torch's own packed int8/int4 kernels are made for decoding one row (docs/PERFORMANCE.md, "7-8B
+models and quantized bases"). Here each matmul dequantizes its weight into one buffer that the
+whole process reuses (no page faults) and runs oneDNN's GEMM in the compute dtype, in bf16 and in
+fp32 (AVX2-only CPUs) alike. Neither library can map a per-node cache file either. The embeddings
+and the LM head stay in the compute dtype, mapped: a lookup touches only its rows' pages, and the
+chunked loss head streams through the head's rows, where a quantized head would need a
+vocabulary-sized dequantized copy.
 """
 
 from __future__ import annotations

@@ -118,9 +118,9 @@ def build_mapped(model_dir: Path, hf_config: Any, dtype: torch.dtype, cache_dir:
                  **from_config: Any) -> tuple[nn.Module, Path] | None:
     """The model built without weights, then every parameter pointed at the mapped files.
 
-    from_pretrained would first fill a private copy of all weights while it maps the files (with an
-    fp32 file and bf16 compute: 2 GB of file pages + 1 GB private for Qwen2.5-0.5B, the run's peak
-    RSS); here the only memory is the mapping, touched as layers run. Returns None when the files'
+    from_pretrained would first fill a private copy of all weights while it maps the files (the
+    run's peak RSS; docs/PERFORMANCE.md, "Frozen weights: mapped and shared per node"); here the
+    only memory is the mapping, touched as layers run. Returns None when the files'
     tensor names do not cover the model exactly (renamed or fused checkpoints, quantized models):
     the caller then loads normally.
     """

@@ -201,11 +201,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-# train.compile=auto compiles where it measured faster with its compile time counted
-# (docs/PERFORMANCE.md, "torch.compile: where it pays"): Qwen2.5-0.5B (hidden 896) +13 % tokens/s on
-# full-length rows and +24 % on instruct data, a Qwen2.5-7B-shaped model +7 %, each after about 27 s
-# of compiling on 2 cores, repaid in about 100 steps; SmolLM2-135M (hidden 576) ran its compiled
-# steps slower than eager. Runs that are short or small stay eager.
+# train.compile=auto compiles where compiling repaid its own time on the measured shapes: hidden
+# sizes from Qwen2.5-0.5B's up, runs long enough to win back the compile; SmolLM2-135M's compiled
+# steps were slower than eager (docs/PERFORMANCE.md, "torch.compile: where it pays").
 COMPILE_MIN_HIDDEN = 768
 COMPILE_MIN_STEPS = 200
 

@@ -130,6 +130,25 @@ def _lora_params(parts: Parts, config: Config) -> int:
 def estimate(config: Config, parts: Parts, ranks_per_node: int, node_memory: tuple[float, str],
              compute: str) -> MemoryPlan:
     """The plan for config on a node of node_memory (GB, where the figure comes from)."""
+    frozen = frozen_gb(config, parts, compute)
+    rank = rank_gb(config, parts, ranks_per_node, compute)
+    shared = config.model.share_frozen_weights or config.model.quantize != "none"
+    node_memory_gb, source = node_memory
+    plan = MemoryPlan(ranks_per_node, node_memory_gb, source, frozen, shared, rank)
+    frozen_total = sum(frozen.values())
+    rank_total = sum(rank.values())
+    plan.rank_peak_gb = rank_total + (frozen_total if not shared else frozen_total / ranks_per_node)
+    plan.node_peak_gb = (frozen_total * (1 if shared else ranks_per_node)
+                         + rank_total * ranks_per_node)
+    plan.fits = plan.node_peak_gb <= HEADROOM * node_memory_gb
+    plan.notes.append("activation figures fitted to bench peaks of PyTorch 2.13 / transformers 5 "
+                      "(docs/PERFORMANCE.md, \"Will it fit\")")
+    return plan
+
+
+def frozen_gb(config: Config, parts: Parts, compute: str) -> dict[str, float]:
+    """The frozen weights' GB by part: stored in the compute dtype, or as the quantization method
+    lays them out; an untied embedding only for the rows a step reads."""
     bytes_per = 2 if compute == "bfloat16" else 4
     quantize = config.model.quantize
     frozen: dict[str, float] = {}
@@ -146,21 +165,26 @@ def estimate(config: Config, parts: Parts, ranks_per_node: int, node_memory: tup
                      for shape, kind in METHODS[quantize].layout(
                          out, in_, config.model.quantize_group, dtype).values())
         frozen[f"decoder linears ({quantize})"] = stored / GB
-    tokens = config.train.batch_size * config.data.max_length
     if parts.tied:
         frozen["embedding + tied LM head"] = parts.embedding * bytes_per / GB
     else:
         # A lookup touches only the pages of the rows it reads.
+        tokens = config.train.batch_size * config.data.max_length
         rows = min(parts.vocab, tokens * config.train.grad_accum)
         frozen["embedding (rows read)"] = min(parts.embedding, rows * parts.hidden) * bytes_per / GB
         frozen["LM head"] = parts.head * bytes_per / GB
     frozen["norms, biases"] = parts.other * bytes_per / GB
-    shared = config.model.share_frozen_weights or quantize != "none"
+    return frozen
 
+
+def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> dict[str, float]:
+    """Each rank's own GB by part: the adapter and its optimizer state, activations, the loss
+    head's buffers, the dequantization buffer, the process."""
+    bytes_per = 2 if compute == "bfloat16" else 4
+    tokens = config.train.batch_size * config.data.max_length
     rank: dict[str, float] = {}
-    lora = _lora_params(parts, config)
     ddp = 4 if ranks_per_node > 1 or config.dist.threads_per_rank else 0
-    rank["adapter, gradients, AdamW"] = lora * (16 + ddp) / GB
+    rank["adapter, gradients, AdamW"] = _lora_params(parts, config) * (16 + ddp) / GB
     per_h, per_i = ACTIVATION_BYTES[compute]
     per_layer_token = per_h * parts.hidden + per_i * parts.intermediate
     if config.model.gradient_checkpointing:
@@ -184,22 +208,11 @@ def estimate(config: Config, parts: Parts, ranks_per_node: int, node_memory: tup
         rank["loss head chunk"] = (rows * bytes_per + fp32_rows * 4) * parts.vocab / GB
     else:
         rank["full logits"] = tokens * parts.vocab * 4 * 3 / GB
-    if quantize != "none":
+    if config.model.quantize != "none":
         largest = max(out * in_ for out, in_ in parts.linear_shapes)
         rank["dequantization buffer"] = largest * (bytes_per + 1) / GB
     rank["process"] = PROCESS_GB
-
-    node_memory_gb, source = node_memory
-    plan = MemoryPlan(ranks_per_node, node_memory_gb, source, frozen, shared, rank)
-    frozen_total = sum(frozen.values())
-    rank_total = sum(rank.values())
-    plan.rank_peak_gb = rank_total + (frozen_total if not shared else frozen_total / ranks_per_node)
-    plan.node_peak_gb = (frozen_total * (1 if shared else ranks_per_node)
-                         + rank_total * ranks_per_node)
-    plan.fits = plan.node_peak_gb <= HEADROOM * node_memory_gb
-    plan.notes.append("activation figures fitted to bench peaks of PyTorch 2.13 / transformers 5 "
-                      "on the development machine (docs/PERFORMANCE.md)")
-    return plan
+    return rank
 
 
 def advise(config: Config, parts: Parts, ranks_per_node: int, node_memory: tuple[float, str],
