@@ -49,9 +49,11 @@ def train(config: Config, debug: bool = False) -> RunSummary | None:
     ranks, and when a signal stopped the run)."""
     with start_process(config.dist, debug, resume_hint="Continue from the newest checkpoint "
                        "with train.resume=auto", stacks_dir=Path(config.output.dir)) as process:
-        run = set_up(resolve(config, process.placement), process)
-        fit(run)
-        return finish(run)
+        resolved = resolve(config, process.placement)
+        with StopFlag(config.train.save_on_signal) as stop:
+            run = set_up(resolved, process, stop)
+            fit(run)
+            return finish(run)
 
 
 # --------------------------------------------------------------------------- resolve
@@ -145,7 +147,7 @@ class Run:
         return self.engine.placement
 
 
-def set_up(resolved: Resolved, process: Process) -> Run:
+def set_up(resolved: Resolved, process: Process, stop: StopFlag) -> Run:
     """OUTPUT/ prepared (rank 0), the engine built and the checkpoint applied, metrics opened, and
     the validation figures and held-out answers before training."""
     config, placement = resolved.config, process.placement
@@ -170,7 +172,6 @@ def set_up(resolved: Resolved, process: Process) -> Run:
         kept_to = state.step if resumed else (0 if config.train.resume is not None else None)
         metrics = MetricsLog(out / "metrics.jsonl", kept_to,
                              out / "tensorboard" if config.output.tensorboard else None)
-    stop = StopFlag(config.train.save_on_signal)
     prompts = (list(engine.objective.held_out_prompts(engine.data.val, config.train.sample_prompts))
                if placement.is_main else [])
     before = {} if resumed else engine.evaluate()
