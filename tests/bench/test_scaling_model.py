@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cpudist.bench import scaling_model as m
+from tests.helpers import bench_result
 
 
 def test_ring_allreduce_cost() -> None:
@@ -47,16 +48,18 @@ def test_lora_gradient_bytes_of_the_presets() -> None:
 
 
 def test_profile_from_a_bench_result() -> None:
-    result = {"world_size": 2, "s_per_step": 3.0, "tokens_per_s": 400.0,
-              "comm_exposed_s_per_step": 0.2, "wait_for_slowest_s": [0.4, 0.0],
-              "comm_mb_per_step": 8.0, "gradient_mb": 16.0, "compute_s_per_rank": [2.0, 2.4],
-              "config": {"dist": {"grad_compression": "bf16", "bucket_cap_mb": 25.0}}}
-    p = m.profile_from_bench(result)
+    figures = dict(world_size=2, s_per_step=3.0, tokens_per_s=400.0, comm_exposed_s_per_step=0.2,
+                   wait_for_slowest_s=[0.4, 0.0], comm_mb_per_step=8.0, gradient_mb=16.0,
+                   compute_s_per_rank=[2.0, 2.4],
+                   config={"dist": {"grad_compression": "bf16", "bucket_cap_mb": 25.0}})
+    p = m.profile_from_bench(bench_result(**figures))
     assert p.compute_s == pytest.approx(3.0 - 0.2 - 0.2)
     assert p.tokens == pytest.approx(600.0) and p.wire_bytes == 8e6
     assert p.bucket_bytes == 12.5e6 and p.imbalance == pytest.approx(2.4 / 2.2 - 1)
-    single = m.profile_from_bench({**result, "world_size": 1, "comm_mb_per_step": 0.0,
-                                   "wait_for_slowest_s": [0.0], "compute_s_per_rank": [2.8]})
+    single = m.profile_from_bench(bench_result(**{**figures, "world_size": 1,
+                                                  "comm_mb_per_step": 0.0,
+                                                  "wait_for_slowest_s": [0.0],
+                                                  "compute_s_per_rank": [2.8]}))
     assert single.wire_bytes == 8e6  # 16 MB of fp32 gradients, sent in bf16
     assert single.imbalance == 0.0
 
