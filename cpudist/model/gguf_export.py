@@ -28,6 +28,16 @@ import torch
 
 from cpudist.errors import UserError
 from cpudist.files import replacing
+from cpudist.model.gguf_arch import (
+    Architecture,
+    architecture_of,
+    gemma_query_scalar,
+    head_dim,
+    llama3_rope_factors,
+    read_hf_config,
+    rope_parameters,
+    text_model_name,
+)
 from cpudist.model.safetensors_io import read_header, read_tensor, weight_files
 
 # --type -> (general.file_type, the type of every 2-D weight). Norms and biases stay F32 whatever
@@ -49,68 +59,6 @@ def _file_types() -> dict[str, tuple[int, Any]]:
         })
     return FILE_TYPES
 
-
-@dataclass(frozen=True)
-class Architecture:
-    """How one Hugging Face architecture maps onto a llama.cpp one."""
-
-    hf_name: str
-    gguf_name: str
-    # llama.cpp's Llama graph applies rope to interleaved pairs, HF to halves: Q and K rows are
-    # permuted on the way in (LlamaModel.permute in llama.cpp's conversion/llama.py).
-    permute_qk: bool
-    # llama.cpp's LlamaModel writes vocab_size and rope.dimension_count; Qwen2Model does not.
-    writes_vocab_and_rope_dim: bool
-    # Gemma's RMS norms scale by (1 + weight), llama.cpp's by weight: +1 on the way out.
-    norms_plus_one: bool = False
-    # llama.cpp's Gemma and Gemma 2 graphs read token_embd as the output head: no lm_head travels.
-    output_is_embedding: bool = False
-    # Whether a GGUF file of this llama.cpp architecture converts back to this class
-    # (gguf_import): one class per llama.cpp name; transformers reads no Gemma 1 GGUF metadata.
-    importable: bool = True
-
-
-_GEMMA = dict(norms_plus_one=True)
-ARCHITECTURES = {
-    "LlamaForCausalLM": Architecture("LlamaForCausalLM", "llama", True, True),
-    "Qwen2ForCausalLM": Architecture("Qwen2ForCausalLM", "qwen2", False, False),
-    # llama.cpp converts Mistral as a Llama (conversion/llama.py registers both). Its Llama graph
-    # has no sliding window: v0.1's 4096-token window is dropped there too (v0.2 on have none).
-    "MistralForCausalLM": Architecture("MistralForCausalLM", "llama", True, True),
-    # Qwen2's layout plus RMS norms of Q and K per head (attn_q_norm / attn_k_norm).
-    "Qwen3ForCausalLM": Architecture("Qwen3ForCausalLM", "qwen3", False, False),
-    "GemmaForCausalLM": Architecture("GemmaForCausalLM", "gemma", False, False,
-                                     output_is_embedding=True, importable=False, **_GEMMA),
-    # Gemma 2: soft-capped attention and output logits, sliding-window layers, post-norms.
-    "Gemma2ForCausalLM": Architecture("Gemma2ForCausalLM", "gemma2", False, False,
-                                      output_is_embedding=True, **_GEMMA),
-    # Gemma 3 (text): Q/K norms, sliding-window layers with their own rope base.
-    "Gemma3ForCausalLM": Architecture("Gemma3ForCausalLM", "gemma3", False, False, **_GEMMA),
-    # Gemma 3 4B/12B/27B: the same text model beside a vision tower; its text model is written,
-    # as llama.cpp's converter writes it (the vision part is its separate mmproj file).
-    # A gemma3 GGUF holds the text model only, so it reads back as Gemma3ForCausalLM.
-    "Gemma3ForConditionalGeneration": Architecture("Gemma3ForConditionalGeneration", "gemma3",
-                                                   False, False, importable=False, **_GEMMA),
-    # Phi-3 / Phi-3.5 mini and medium: fused qkv_proj and gate_up_proj, LongRoPE for 128k.
-    "Phi3ForCausalLM": Architecture("Phi3ForCausalLM", "phi3", False, False),
-}
-# Where multimodal checkpoints keep their text model: on disk "language_model.model.*" (the
-# released files), in transformers 5's modules and so in PEFT's adapters "model.language_model.*".
-_TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                        ("language_model.lm_head.", "lm_head."))
-_NOT_TEXT_MODEL = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                   "model.multi_modal_projector.")
-
-
-def text_model_name(name: str) -> str | None:
-    """A tensor's name in the text-only model (model.layers..., lm_head...), or None for a part of
-    a multimodal checkpoint that is not the text model."""
-    if name.startswith(_NOT_TEXT_MODEL):
-        return None
-    for prefix, replacement in _TEXT_MODEL_PREFIXES:
-        if name.startswith(prefix):
-            return replacement + name.removeprefix(prefix)
-    return name
 
 # llama.cpp names the BPE pre-tokenizer by a hash of how the tokenizer splits a check text
 # (get_vocab_base_pre in llama.cpp's conversion/base.py, which is generated; these are its entries
@@ -147,61 +95,8 @@ _SPLIT_RULES = {
 # --------------------------------------------------------------------------- the base
 
 
-def _hf_config(model_dir: Path) -> dict[str, Any]:
-    file = model_dir / "config.json"
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{file}: not a readable model config ({exc}); pass a Hugging Face model "
-                        "directory as --base") from None
-    if "text_config" in config:
-        # A multimodal checkpoint: the text model's settings, with the defaults the released
-        # files leave out (transformers' config class fills them).
-        from transformers import AutoConfig
-
-        text = AutoConfig.from_pretrained(model_dir).get_text_config().to_dict()
-        config = {**text, "architectures": config.get("architectures"),
-                  "tie_word_embeddings": config.get("tie_word_embeddings",
-                                                    text.get("tie_word_embeddings", True))}
-    return config
-
-
-def architecture_of(config: dict[str, Any], model_dir: Path) -> Architecture:
-    names = config.get("architectures") or []
-    for name in names:
-        if name in ARCHITECTURES:
-            return ARCHITECTURES[name]
-    raise UserError(f"{model_dir}/config.json: architecture {', '.join(names) or '(none)'} cannot be "
-                    f"exported to GGUF; supported: {', '.join(ARCHITECTURES)}")
-
-
-def _rope_parameters(config: dict[str, Any], layer_kind: str = "full_attention") -> dict[str, Any]:
-    # transformers 5 writes rope_parameters; older configs have rope_theta / rope_scaling.
-    params = dict(config.get("rope_parameters") or {})
-    if layer_kind in params:  # one set per kind of layer (Gemma 3)
-        params = dict(params[layer_kind])
-    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    if config.get("rope_scaling"):
-        params.update(config["rope_scaling"])
-    params.setdefault("rope_type", params.get("type", "default"))
-    return params
-
-
-def _head_dim(config: dict[str, Any]) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
-def permute_qk(weight: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
-    """llama.cpp's LlamaModel.permute: rows of each head from HF's half-split rope order to the
-    interleaved order llama.cpp's Llama graph expects."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return (weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
-
-
 @dataclass(frozen=True)
-class _Base:
+class _BaseModel:
     """A base model directory as both exporters read it: its config, llama.cpp architecture and
     tensor-name map."""
 
@@ -211,46 +106,16 @@ class _Base:
     names: Any  # gguf.TensorNameMap
 
     @classmethod
-    def read(cls, directory: Path) -> _Base:
-        import gguf
-
-        config = _hf_config(directory)
+    def read(cls, directory: Path) -> _BaseModel:
+        config = read_hf_config(directory)
         arch = architecture_of(config, directory)
-        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_name.upper()],
-                                         config["num_hidden_layers"])
-        return cls(directory, config, arch, names)
+        return cls(directory, config, arch, arch.tensor_names(config["num_hidden_layers"]))
 
     def llama_cpp_rows(self, hf_name: str, values: torch.Tensor) -> torch.Tensor:
-        """The output rows of a Q or K projection's tensor (weight, bias, or a LoRA B) in the order
-        llama.cpp's graph reads them; every other tensor as it is."""
-        if not self.arch.permute_qk:
-            return values
-        module = hf_name.rsplit(".", 1)[0]
+        """A tensor's output rows in the order llama.cpp's graph reads them (Architecture's)."""
         n_head = self.config["num_attention_heads"]
-        if module.endswith("q_proj"):
-            return permute_qk(values, n_head, n_head)
-        if module.endswith("k_proj"):
-            return permute_qk(values, n_head, self.config.get("num_key_value_heads", n_head))
-        return values
-
-
-def llama3_rope_factors(params: dict[str, Any], dim: int) -> torch.Tensor:
-    """rope_freqs.weight for rope_type llama3 (LlamaModel.generate_extra_tensors in llama.cpp)."""
-    freqs = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    factor = params.get("factor", 8.0)
-    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
-    old_context = params.get("original_max_position_embeddings", 8192)
-    factors = []
-    for freq in freqs.tolist():
-        wavelen = 2 * math.pi / freq
-        if wavelen < old_context / high:
-            factors.append(1.0)
-        elif wavelen > old_context / low:
-            factors.append(factor)
-        else:
-            smooth = (old_context / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(factors, dtype=torch.float32)
+        return self.arch.llama_cpp_rows(hf_name, values, n_head,
+                                        self.config.get("num_key_value_heads", n_head))
 
 
 def _add_hyperparameters(writer: Any, arch: Architecture, config: dict[str, Any], model_dir: Path) -> None:
@@ -268,7 +133,7 @@ def _add_hyperparameters(writer: Any, arch: Architecture, config: dict[str, Any]
         # Heads wider than hidden_size / heads (Qwen3, Mistral Nemo) need it stated.
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
-    rope = _rope_parameters(config)
+    rope = rope_parameters(config)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     kind = str(rope["rope_type"]).lower()
     if kind == "linear":
@@ -285,8 +150,8 @@ def _add_hyperparameters(writer: Any, arch: Architecture, config: dict[str, Any]
                         "(supported: default, linear, yarn, llama3, and longrope for Phi-3)")
     if arch.writes_vocab_and_rope_dim:
         writer.add_vocab_size(config["vocab_size"])
-        writer.add_rope_dimension_count(_head_dim(config))
-    if arch.gguf_name in _LAST_FULL_SIZE_LAYERS:
+        writer.add_rope_dimension_count(head_dim(config))
+    if arch.gemma_attention:
         _add_gemma_attention(writer, arch, config, model_dir)
     if arch.gguf_name == "phi3":
         _add_phi3_rope(writer, config, rope)
@@ -319,28 +184,16 @@ def _rope_tensors(arch: Architecture, config: dict[str, Any]) -> list[tuple[str,
     exceeds the original, transformers when the text does)."""
     import gguf
 
-    rope = _rope_parameters(config)
+    rope = rope_parameters(config)
     kind = str(rope["rope_type"]).lower()
     if arch.permute_qk and kind == "llama3":
         return [(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
-                 llama3_rope_factors(rope, _head_dim(config)))]
+                 llama3_rope_factors(rope, head_dim(config)))]
     if arch.gguf_name == "phi3" and kind == "longrope":
         return [(gguf.TENSOR_NAMES[tensor] + ".weight", torch.tensor(rope[key], dtype=torch.float32))
                 for tensor, key in ((gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, "long_factor"),
                                     (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, "short_factor"))]
     return []
-
-
-# llama.cpp sizes Gemma 2/3 by their layer count and scales queries by 1/sqrt(hidden / heads) for
-# the 27B (46 and 62 layers), by 1/sqrt(head_dim) otherwise (llama.cpp's models/gemma2.cpp,
-# gemma3.cpp); transformers reads query_pre_attn_scalar.
-_LAST_FULL_SIZE_LAYERS = {"gemma2": 46, "gemma3": 62}
-
-
-def gemma_query_scalar(gguf_name: str, config: dict[str, Any]) -> int:
-    """The query_pre_attn_scalar llama.cpp assumes for a Gemma 2/3 of this size."""
-    big = config["num_hidden_layers"] == _LAST_FULL_SIZE_LAYERS[gguf_name]
-    return config["hidden_size"] // config["num_attention_heads"] if big else _head_dim(config)
 
 
 def _add_gemma_attention(writer: Any, arch: Architecture, config: dict[str, Any],
@@ -363,7 +216,7 @@ def _add_gemma_attention(writer: Any, arch: Architecture, config: dict[str, Any]
         writer.add_sliding_window(int(config["sliding_window"]))
         if kinds:
             writer.add_sliding_window_pattern(sliding)
-        local = _rope_parameters(config, "sliding_attention")
+        local = rope_parameters(config, "sliding_attention")
         writer.add_rope_freq_base_swa(float(config.get("rope_local_base_freq", local["rope_theta"])))
 
 
@@ -646,7 +499,7 @@ def export_model(base_dir: Path, out: Path, file_type: str = "f16",
     import gguf
 
     ftype, wanted = _file_types()[file_type]
-    base = _Base.read(base_dir)
+    base = _BaseModel.read(base_dir)
     config, arch = base.config, base.arch
     pending = dict(adapter.modules) if adapter else {}
     planned = [_Planned(gguf_name, gguf.GGMLQuantizationType.F32, tuple(factors.shape),
@@ -706,7 +559,7 @@ def export_lora(base_dir: Path, adapter: AdapterWeights, out: Path, file_type: s
     if file_type not in LORA_TYPES:
         raise UserError(f"--type {file_type}: a LoRA GGUF is written as one of {', '.join(LORA_TYPES)}")
     _, wanted = _file_types()[file_type]
-    base = _Base.read(base_dir)
+    base = _BaseModel.read(base_dir)
     shapes = {name: tuple(meta["shape"]) for name, _, meta, _ in _base_tensors(base_dir)}
     ranks = set()
     planned: list[_Planned] = []

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from cpudist.cli import main
-from cpudist.model.gguf_export import permute_qk, read_adapter
+from cpudist.model.gguf_arch import permute_qk
+from cpudist.model.gguf_export import read_adapter
 from tests.helpers import GEMMA_FEATURES, PHI3_ROPES
 
 
@@ -267,8 +268,7 @@ def test_llama3_rope_scaling_goes_to_gguf_and_back(tokenizer_dir: Path, tmp_path
 
 def test_rope_freqs_that_match_no_llama3_scaling_are_refused(tmp_path: Path) -> None:
     from cpudist.errors import UserError
-    from cpudist.model.gguf_export import llama3_rope_factors
-    from cpudist.model.gguf_import import llama3_rope_parameters
+    from cpudist.model.gguf_arch import llama3_rope_factors, llama3_rope_parameters
 
     for params in (LLAMA31_ROPE, {**LLAMA31_ROPE, "factor": 32.0}):  # Llama 3.1, Llama 3.2
         factors = llama3_rope_factors(params, 128)
