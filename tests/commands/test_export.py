@@ -227,9 +227,9 @@ def test_sentencepiece_vocabulary_goes_to_gguf_and_back(spm_tokenizer_dir: Path,
     ({"pre_tokenizer": None, "normalizer": None}, False),
 ], ids=["metaspace-first", "metaspace-never", "metaspace-old-key", "legacy-prepend", "none"])
 def test_space_prefix_is_read_from_either_llama_tokenizer_layout(spec: dict, expected: bool) -> None:
-    from cpudist.model.gguf_export import _adds_space_prefix
+    from cpudist.model.gguf_vocab import adds_space_prefix
 
-    assert _adds_space_prefix(spec) is expected
+    assert adds_space_prefix(spec) is expected
 
 
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
