@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from cpudist.cli import main
 from tests.helpers import GEMMA_FEATURES, PHI3_ROPES, cpudist_cmd, run, tiny_overrides, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -28,6 +29,11 @@ NEW_TOKENS = 12
 VAL_ROWS = 40
 LOGPROB_TOL = 0.05
 NEAR_TIE = 2 * LOGPROB_TOL
+
+
+def _cpudist(*args: object) -> None:
+    """A cpudist command that needs no process of its own (export, merge), run in this one."""
+    assert main([str(arg) for arg in args]) == 0
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +59,9 @@ def exported(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     paths = {}
     for name, flags in files.items():
         paths[name] = root / f"{name}.gguf"
-        result = run([*cpudist_cmd(), "export", "--base", smol_dir, *flags, "--out", paths[name]])
-        assert result.returncode == 0, result.stderr[-3000:]
+        _cpudist("export", "--base", smol_dir, *flags, "--out", paths[name])
     merged_dir = root / "merged-hf"
-    result = run([*cpudist_cmd(), "merge", "--base", smol_dir, "--adapter", out, "--out", merged_dir])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("merge", "--base", smol_dir, "--adapter", out, "--out", merged_dir)
     return {"paths": paths, "merged_hf": merged_dir, "base_hf": smol_dir, "val": val_file}
 
 
@@ -215,8 +219,7 @@ def test_llama3_rope_scaling_runs_in_llama_cpp_as_in_transformers(tokenizer_dir:
     plain = make_tiny_model("llama", tokenizer_dir, tmp_path / "plain", **shape,  # same weights
                             rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     file = tmp_path / "scaled.gguf"
-    result = run([*cpudist_cmd(), "export", "--base", scaled, "--type", "f32", "--out", file])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("export", "--base", scaled, "--type", "f32", "--out", file)
     ids = torch.randint(100, 40000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     cpp = _cpp_logits(_llama(file), ids)
     error = np.abs(cpp - _transformers_logits(scaled, ids)).max()
@@ -241,13 +244,11 @@ def test_mistral_with_a_sentencepiece_vocabulary_runs_in_llama_cpp_as_in_transfo
     import sentencepiece
     from transformers import AutoTokenizer
 
-    from cpudist.cli import main
     from tests.helpers import chatterbot_lines, make_tiny_model
 
     base = make_tiny_model("mistral", spm_tokenizer_dir, tmp_path / "mistral", tie_word_embeddings=False)
     file = tmp_path / "mistral.gguf"
-    result = run([*cpudist_cmd(), "export", "--base", base, "--type", "f32", "--out", file])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("export", "--base", base, "--type", "f32", "--out", file)
 
     llm = _llama(file)
     reference = sentencepiece.SentencePieceProcessor(
@@ -264,7 +265,7 @@ def test_mistral_with_a_sentencepiece_vocabulary_runs_in_llama_cpp_as_in_transfo
     monkeypatch.setattr(gguf.GGUFWriter, "add_token_scores",
                         lambda writer, scores: write_scores(writer, [-1000.0] * len(scores)))
     flat = tmp_path / "flat.gguf"
-    assert main(["export", "--base", str(base), "--type", "f32", "--out", str(flat)]) == 0
+    _cpudist("export", "--base", base, "--type", "f32", "--out", flat)
     flat_differ = len(differ(_llama(flat)))
     print(f"flat scores: {flat_differ} of {len(texts)} texts split differently")
     assert flat_differ > len(texts) // 10
@@ -286,8 +287,7 @@ def test_wide_heads_run_in_llama_cpp_as_in_transformers(kind: str, tokenizer_dir
     base = make_tiny_model(kind, tokenizer_dir, tmp_path / kind, head_dim=32,  # 64 / 4 heads = 16
                            initializer_range=0.2)
     file = tmp_path / f"{kind}.gguf"
-    result = run([*cpudist_cmd(), "export", "--base", base, "--type", "f32", "--out", file])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("export", "--base", base, "--type", "f32", "--out", file)
     ids = torch.randint(100, 40000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     expected = _transformers_logits(base, ids)
     assert np.abs(_cpp_logits(_llama(file), ids) - expected).max() < 0.01 * np.abs(expected).max()
@@ -385,17 +385,14 @@ def test_a_gguf_base_trains_and_its_lora_file_runs_on_that_gguf_in_llama_cpp(
     hf_dir = make_tiny_model("gemma3_text", gemma_tokenizer_dir, tmp_path / "hf", head_dim=32,
                              initializer_range=0.2, **GEMMA_FEATURES["gemma3_text"])
     users_file = tmp_path / "model-f32.gguf"
-    result = run([*cpudist_cmd(), "export", "--base", hf_dir, "--type", "f32", "--out", users_file])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("export", "--base", hf_dir, "--type", "f32", "--out", users_file)
     out = tmp_path / "run"
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
     result = run([*cpudist_cmd(), "train", *tiny_overrides(
         users_file, data, out, lora__alpha=64, model__cache_dir=tmp_path / "cache")])
     assert result.returncode == 0, result.stderr[-3000:]
     lora_file = tmp_path / "lora.gguf"
-    result = run([*cpudist_cmd(), "export", "--adapter", out / "adapter", "--lora", "--type", "f32",
-                  "--out", lora_file])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("export", "--adapter", out / "adapter", "--lora", "--type", "f32", "--out", lora_file)
 
     converted = Path(json.loads((out / "adapter" / "adapter_config.json").read_text())
                      ["base_model_name_or_path"])
@@ -425,8 +422,7 @@ def test_k_and_i_quant_gguf_files_read_back_to_the_model_llama_cpp_runs(
     base = make_tiny_model("llama", tokenizer_dir, tmp_path / "small", hidden_size=256,
                            intermediate_size=512, initializer_range=0.05)
     f32 = tmp_path / "small-f32.gguf"
-    result = run([*cpudist_cmd(), "export", "--base", base, "--type", "f32", "--out", f32])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("export", "--base", base, "--type", "f32", "--out", f32)
     quantized = tmp_path / "small-quantized.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, ftype)
@@ -449,9 +445,7 @@ def _check_adapter_exports(base: Path, adapter: Path, tmp_path: Path, length: in
 
     files = {"merged": ["--adapter", adapter], "base": [], "lora": ["--adapter", adapter, "--lora"]}
     for name, flags in files.items():
-        result = run([*cpudist_cmd(), "export", "--base", base, *flags, "--type", "f32",
-                      "--out", tmp_path / f"{name}.gguf"])
-        assert result.returncode == 0, result.stderr[-3000:]
+        _cpudist("export", "--base", base, *flags, "--type", "f32", "--out", tmp_path / f"{name}.gguf")
     ids = torch.randint(10, 600, (length,), generator=torch.Generator().manual_seed(0)).tolist()
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                                       adapter).eval()
