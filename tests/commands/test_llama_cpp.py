@@ -277,6 +277,50 @@ def test_mistral_with_a_sentencepiece_vocabulary_runs_in_llama_cpp_as_in_transfo
     assert np.abs(_cpp_logits(llm, ids) - expected).max() < 0.01 * np.abs(expected).max()
 
 
+# How far each --type may move a tiny model's logits in llama.cpp from transformers' (fp32 weights),
+# as a share of the largest logit: about twice what the Llama and the Qwen2 measured (f32 1e-4,
+# f16 3e-4, bf16 2.4e-3, q8_0 8e-3, q5_1 0.045, q5_0 0.050, q4_1 0.103, q4_0 0.092). Weights
+# whose rows llama.cpp read out of order would move them by about the logits' own size (0.8 for
+# q4_0 with reversed rows); a Llama's Q/K rows left unpermuted by 7e-3, which the f32, f16 and
+# bf16 bounds catch (this small a random model's attention is nearly uniform).
+TYPE_TOLERANCES = {"f32": 1e-3, "f16": 1e-3, "bf16": 5e-3, "q8_0": 0.02, "q5_1": 0.1, "q5_0": 0.1,
+                   "q4_1": 0.2, "q4_0": 0.2}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_every_weight_type_runs_in_llama_cpp_as_in_transformers(kind: str, tiny_llama: Path,
+                                                                  tiny_qwen: Path, tmp_path: Path) -> None:
+    """Every --type on a Llama (Q/K rows permuted for llama.cpp) and a Qwen2 (its own llama.cpp
+    graph, Q/K/V biases): llama.cpp loads the file as that type (its file type, and the bits per
+    weight of what it loaded) and computes transformers' logits within what the type's rounding
+    changes."""
+    import gguf
+
+    from cpudist.commands.export import TYPE_NAMES
+
+    assert set(TYPE_TOLERANCES) == set(TYPE_NAMES)
+    base = tiny_llama if kind == "llama" else tiny_qwen
+    ids = torch.randint(100, 40000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    expected = _transformers_logits(base, ids)
+    errors = {}
+    for file_type in TYPE_NAMES:
+        file = tmp_path / f"{kind}-{file_type}.gguf"
+        _cpudist("export", "--base", base, "--type", file_type, "--out", file)
+        llm = _llama(file)
+        assert llm.metadata["general.architecture"] == kind
+        wanted = gguf.GGMLQuantizationType[file_type.upper()]
+        file_kind = (gguf.LlamaFileType.ALL_F32 if file_type == "f32"
+                     else gguf.LlamaFileType[f"MOSTLY_{file_type.upper()}"])
+        assert llm.metadata["general.file_type"] == str(int(file_kind))
+        # What llama.cpp loaded, in bits per weight: the 2-D weights' type (the F32 norms and
+        # biases are a few hundred of the 3.2M parameters).
+        block, block_bytes = gguf.GGML_QUANT_SIZES[wanted]
+        bits = 8 * llama_cpp.llama_model_size(llm.model) / llama_cpp.llama_model_n_params(llm.model)
+        assert bits == pytest.approx(8 * block_bytes / block, abs=0.01), (file_type, bits)
+        errors[file_type] = np.abs(_cpp_logits(llm, ids) - expected).max() / np.abs(expected).max()
+    assert all(errors[file_type] < tolerance for file_type, tolerance in TYPE_TOLERANCES.items()), errors
+
+
 @pytest.mark.parametrize("kind", ["mistral", "qwen3"])
 def test_wide_heads_run_in_llama_cpp_as_in_transformers(kind: str, tokenizer_dir: Path,
                                                          tmp_path: Path) -> None:
