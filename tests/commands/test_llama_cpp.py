@@ -346,12 +346,12 @@ def test_gemma_family_runs_in_llama_cpp_as_in_transformers(kind: str, gemma_toke
     merged, and the same with the LoRA file on the base."""
     import sentencepiece
 
-    from tests.commands.test_export import _peft_adapter
+    from tests.commands.test_export import peft_adapter
     from tests.helpers import chatterbot_lines, make_tiny_model
 
     base = make_tiny_model(kind, gemma_tokenizer_dir, tmp_path / kind, head_dim=32,
                            initializer_range=0.2, **GEMMA_FEATURES[kind])
-    adapter, _ = _peft_adapter(base, tmp_path / "adapter")
+    adapter, _ = peft_adapter(base, tmp_path / "adapter")
     _check_adapter_exports(base, adapter, tmp_path, length=64)
     llm = _llama(tmp_path / "base.gguf")
     reference = sentencepiece.SentencePieceProcessor(
@@ -368,14 +368,14 @@ def test_phi3_runs_in_llama_cpp_as_in_transformers(rope: str, spm_tokenizer_dir:
     """Phi-3 (fused qkv_proj and gate_up_proj, a Llama 2 SentencePiece vocabulary), with an
     adapter on the fused projections, merged and as a LoRA file; LongRoPE's factors travel (the
     test fails without them or without the attention factor)."""
-    from tests.commands.test_export import _peft_adapter
+    from tests.commands.test_export import peft_adapter
     from tests.helpers import make_tiny_model
 
     # No "phi3" in the file's name (base and run directory): llama.cpp gives files so named
     # Phi-3's special tokens (<|endoftext|>), which this small vocabulary has not.
     base = make_tiny_model("phi3", spm_tokenizer_dir, tmp_path / "small", initializer_range=0.2,
                            pad_token_id=0, **PHI3_ROPES[rope])
-    adapter, _ = _peft_adapter(base, tmp_path / "run" / "adapter",
+    adapter, _ = peft_adapter(base, tmp_path / "run" / "adapter",
                                target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
     _check_adapter_exports(base, adapter, tmp_path, length=48)
 
@@ -391,14 +391,14 @@ def test_phi4_mini_with_a_gpt4o_style_vocabulary_runs_in_llama_cpp_as_in_transfo
 
     from cpudist.config import ModelConfig
     from cpudist.model.load import resolve_model_path
-    from tests.commands.test_export import _peft_adapter
+    from tests.commands.test_export import peft_adapter
     from tests.helpers import chatterbot_lines, make_tiny_model, save_gpt4o_style_tokenizer
 
     lines = [*chatterbot_lines("english", tmp_path), *chatterbot_lines("chinese", tmp_path)]
     tokenizer_dir = save_gpt4o_style_tokenizer(tmp_path / "tokenizer", lines)
     base = make_tiny_model("phi3", tokenizer_dir, tmp_path / "small", initializer_range=0.2,
                            partial_rotary_factor=0.75, pad_token_id=0)
-    adapter, _ = _peft_adapter(base, tmp_path / "run" / "adapter",
+    adapter, _ = peft_adapter(base, tmp_path / "run" / "adapter",
                                target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
     _check_adapter_exports(base, adapter, tmp_path, length=48)
     assert gguf.GGUFReader(tmp_path / "base.gguf").fields["tokenizer.ggml.pre"].contents() == "gpt-4o"
