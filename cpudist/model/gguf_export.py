@@ -11,6 +11,9 @@ Both writers stream: every tensor is read, merged, converted and written on its 
 7B base needs one tensor's memory, not the model's. The merge (W + s*B@A, DoRA's column norm) is
 computed here in fp32 rather than through peft's merge_and_unload for the same reason; the tests
 check it against peft's.
+
+What import needs too (the architecture table, the HF config, Q/K row order, rope factors) is in
+gguf_arch; the tokenizer's vocabulary is written by gguf_vocab.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,17 @@ import torch
 
 from cpudist.errors import UserError
 from cpudist.files import replacing
+from cpudist.model.gguf_arch import (
+    Architecture,
+    architecture_of,
+    gemma_query_scalar,
+    head_dim,
+    llama3_rope_factors,
+    read_hf_config,
+    rope_parameters,
+    text_model_name,
+)
+from cpudist.model.gguf_vocab import add_tokenizer
 from cpudist.model.safetensors_io import read_header, read_tensor, weight_files
 
 # --type -> (general.file_type, the type of every 2-D weight). Norms and biases stay F32 whatever
@@ -50,158 +63,11 @@ def _file_types() -> dict[str, tuple[int, Any]]:
     return FILE_TYPES
 
 
-@dataclass(frozen=True)
-class Architecture:
-    """How one Hugging Face architecture maps onto a llama.cpp one."""
-
-    hf_name: str
-    gguf_name: str
-    # llama.cpp's Llama graph applies rope to interleaved pairs, HF to halves: Q and K rows are
-    # permuted on the way in (LlamaModel.permute in llama.cpp's conversion/llama.py).
-    permute_qk: bool
-    # llama.cpp's LlamaModel writes vocab_size and rope.dimension_count; Qwen2Model does not.
-    writes_vocab_and_rope_dim: bool
-    # Gemma's RMS norms scale by (1 + weight), llama.cpp's by weight: +1 on the way out.
-    norms_plus_one: bool = False
-    # llama.cpp's Gemma and Gemma 2 graphs read token_embd as the output head: no lm_head travels.
-    output_is_embedding: bool = False
-    # Whether a GGUF file of this llama.cpp architecture converts back to this class
-    # (gguf_import): one class per llama.cpp name; transformers reads no Gemma 1 GGUF metadata.
-    importable: bool = True
-
-
-_GEMMA = dict(norms_plus_one=True)
-ARCHITECTURES = {
-    "LlamaForCausalLM": Architecture("LlamaForCausalLM", "llama", True, True),
-    "Qwen2ForCausalLM": Architecture("Qwen2ForCausalLM", "qwen2", False, False),
-    # llama.cpp converts Mistral as a Llama (conversion/llama.py registers both). Its Llama graph
-    # has no sliding window: v0.1's 4096-token window is dropped there too (v0.2 on have none).
-    "MistralForCausalLM": Architecture("MistralForCausalLM", "llama", True, True),
-    # Qwen2's layout plus RMS norms of Q and K per head (attn_q_norm / attn_k_norm).
-    "Qwen3ForCausalLM": Architecture("Qwen3ForCausalLM", "qwen3", False, False),
-    "GemmaForCausalLM": Architecture("GemmaForCausalLM", "gemma", False, False,
-                                     output_is_embedding=True, importable=False, **_GEMMA),
-    # Gemma 2: soft-capped attention and output logits, sliding-window layers, post-norms.
-    "Gemma2ForCausalLM": Architecture("Gemma2ForCausalLM", "gemma2", False, False,
-                                      output_is_embedding=True, **_GEMMA),
-    # Gemma 3 (text): Q/K norms, sliding-window layers with their own rope base.
-    "Gemma3ForCausalLM": Architecture("Gemma3ForCausalLM", "gemma3", False, False, **_GEMMA),
-    # Gemma 3 4B/12B/27B: the same text model beside a vision tower; its text model is written,
-    # as llama.cpp's converter writes it (the vision part is its separate mmproj file).
-    # A gemma3 GGUF holds the text model only, so it reads back as Gemma3ForCausalLM.
-    "Gemma3ForConditionalGeneration": Architecture("Gemma3ForConditionalGeneration", "gemma3",
-                                                   False, False, importable=False, **_GEMMA),
-    # Phi-3 / Phi-3.5 mini and medium: fused qkv_proj and gate_up_proj, LongRoPE for 128k.
-    "Phi3ForCausalLM": Architecture("Phi3ForCausalLM", "phi3", False, False),
-}
-# Where multimodal checkpoints keep their text model: on disk "language_model.model.*" (the
-# released files), in transformers 5's modules and so in PEFT's adapters "model.language_model.*".
-_TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                        ("language_model.lm_head.", "lm_head."))
-_NOT_TEXT_MODEL = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                   "model.multi_modal_projector.")
-
-
-def text_model_name(name: str) -> str | None:
-    """A tensor's name in the text-only model (model.layers..., lm_head...), or None for a part of
-    a multimodal checkpoint that is not the text model."""
-    if name.startswith(_NOT_TEXT_MODEL):
-        return None
-    for prefix, replacement in _TEXT_MODEL_PREFIXES:
-        if name.startswith(prefix):
-            return replacement + name.removeprefix(prefix)
-    return name
-
-# llama.cpp names the BPE pre-tokenizer by a hash of how the tokenizer splits a check text
-# (get_vocab_base_pre in llama.cpp's conversion/base.py, which is generated; these are its entries
-# for the supported families). The text and the hashes are llama.cpp's, copied verbatim.
-_CHECK_TEXT = (
-    '\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis '
-    'concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 '
-    'កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български '
-    '\'\'\'\'\'\'```````""""......!!!!!!?????? I\'ve been \'told he\'s there, \'RE you sure? '
-    '\'M not sure I\'ll make it, \'D you like some tea? We\'Ve a\'lL')
-_PRE_TOKENIZERS = {
-    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",  # Llama 3
-    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",  # Qwen1.5/2/2.5
-    "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",  # Qwen3
-    "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",  # SmolLM/SmolLM2
-    "3ce83efda5659b07b1ad37ca97ca5797ea4285d9b9ab0dc679e4a720c9da7454": "gpt-2",
-}
-# The hash also changes with the vocabulary (a tokenizer of the same family with added or resized
-# tokens): then the splitting rule itself names the pre-tokenizer, since that rule is all that
-# llama.cpp's pre-tokenizer type selects. Regexes as tokenizers' Split pre-tokenizer holds them.
-_SPLIT_RULES = {
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
-    # GPT-4o's o200k rule (Phi-4 mini, Llama 4): letters split by case, "/" kept with punctuation.
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
-    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+": "gpt-4o",
-}
-
-
 # --------------------------------------------------------------------------- the base
 
 
-def _hf_config(model_dir: Path) -> dict[str, Any]:
-    file = model_dir / "config.json"
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{file}: not a readable model config ({exc}); pass a Hugging Face model "
-                        "directory as --base") from None
-    if "text_config" in config:
-        # A multimodal checkpoint: the text model's settings, with the defaults the released
-        # files leave out (transformers' config class fills them).
-        from transformers import AutoConfig
-
-        text = AutoConfig.from_pretrained(model_dir).get_text_config().to_dict()
-        config = {**text, "architectures": config.get("architectures"),
-                  "tie_word_embeddings": config.get("tie_word_embeddings",
-                                                    text.get("tie_word_embeddings", True))}
-    return config
-
-
-def architecture_of(config: dict[str, Any], model_dir: Path) -> Architecture:
-    names = config.get("architectures") or []
-    for name in names:
-        if name in ARCHITECTURES:
-            return ARCHITECTURES[name]
-    raise UserError(f"{model_dir}/config.json: architecture {', '.join(names) or '(none)'} cannot be "
-                    f"exported to GGUF; supported: {', '.join(ARCHITECTURES)}")
-
-
-def _rope_parameters(config: dict[str, Any], layer_kind: str = "full_attention") -> dict[str, Any]:
-    # transformers 5 writes rope_parameters; older configs have rope_theta / rope_scaling.
-    params = dict(config.get("rope_parameters") or {})
-    if layer_kind in params:  # one set per kind of layer (Gemma 3)
-        params = dict(params[layer_kind])
-    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    if config.get("rope_scaling"):
-        params.update(config["rope_scaling"])
-    params.setdefault("rope_type", params.get("type", "default"))
-    return params
-
-
-def _head_dim(config: dict[str, Any]) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
-def permute_qk(weight: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
-    """llama.cpp's LlamaModel.permute: rows of each head from HF's half-split rope order to the
-    interleaved order llama.cpp's Llama graph expects."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return (weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
-
-
 @dataclass(frozen=True)
-class _Base:
+class _BaseModel:
     """A base model directory as both exporters read it: its config, llama.cpp architecture and
     tensor-name map."""
 
@@ -211,46 +77,16 @@ class _Base:
     names: Any  # gguf.TensorNameMap
 
     @classmethod
-    def read(cls, directory: Path) -> _Base:
-        import gguf
-
-        config = _hf_config(directory)
+    def read(cls, directory: Path) -> _BaseModel:
+        config = read_hf_config(directory)
         arch = architecture_of(config, directory)
-        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_name.upper()],
-                                         config["num_hidden_layers"])
-        return cls(directory, config, arch, names)
+        return cls(directory, config, arch, arch.tensor_names(config["num_hidden_layers"]))
 
     def llama_cpp_rows(self, hf_name: str, values: torch.Tensor) -> torch.Tensor:
-        """The output rows of a Q or K projection's tensor (weight, bias, or a LoRA B) in the order
-        llama.cpp's graph reads them; every other tensor as it is."""
-        if not self.arch.permute_qk:
-            return values
-        module = hf_name.rsplit(".", 1)[0]
+        """A tensor's output rows in the order llama.cpp's graph reads them (Architecture's)."""
         n_head = self.config["num_attention_heads"]
-        if module.endswith("q_proj"):
-            return permute_qk(values, n_head, n_head)
-        if module.endswith("k_proj"):
-            return permute_qk(values, n_head, self.config.get("num_key_value_heads", n_head))
-        return values
-
-
-def llama3_rope_factors(params: dict[str, Any], dim: int) -> torch.Tensor:
-    """rope_freqs.weight for rope_type llama3 (LlamaModel.generate_extra_tensors in llama.cpp)."""
-    freqs = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    factor = params.get("factor", 8.0)
-    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
-    old_context = params.get("original_max_position_embeddings", 8192)
-    factors = []
-    for freq in freqs.tolist():
-        wavelen = 2 * math.pi / freq
-        if wavelen < old_context / high:
-            factors.append(1.0)
-        elif wavelen > old_context / low:
-            factors.append(factor)
-        else:
-            smooth = (old_context / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(factors, dtype=torch.float32)
+        return self.arch.llama_cpp_rows(hf_name, values, n_head,
+                                        self.config.get("num_key_value_heads", n_head))
 
 
 def _add_hyperparameters(writer: Any, arch: Architecture, config: dict[str, Any], model_dir: Path) -> None:
@@ -268,7 +104,7 @@ def _add_hyperparameters(writer: Any, arch: Architecture, config: dict[str, Any]
         # Heads wider than hidden_size / heads (Qwen3, Mistral Nemo) need it stated.
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
-    rope = _rope_parameters(config)
+    rope = rope_parameters(config)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     kind = str(rope["rope_type"]).lower()
     if kind == "linear":
@@ -285,8 +121,8 @@ def _add_hyperparameters(writer: Any, arch: Architecture, config: dict[str, Any]
                         "(supported: default, linear, yarn, llama3, and longrope for Phi-3)")
     if arch.writes_vocab_and_rope_dim:
         writer.add_vocab_size(config["vocab_size"])
-        writer.add_rope_dimension_count(_head_dim(config))
-    if arch.gguf_name in _LAST_FULL_SIZE_LAYERS:
+        writer.add_rope_dimension_count(head_dim(config))
+    if arch.gemma_attention:
         _add_gemma_attention(writer, arch, config, model_dir)
     if arch.gguf_name == "phi3":
         _add_phi3_rope(writer, config, rope)
@@ -319,28 +155,16 @@ def _rope_tensors(arch: Architecture, config: dict[str, Any]) -> list[tuple[str,
     exceeds the original, transformers when the text does)."""
     import gguf
 
-    rope = _rope_parameters(config)
+    rope = rope_parameters(config)
     kind = str(rope["rope_type"]).lower()
     if arch.permute_qk and kind == "llama3":
         return [(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
-                 llama3_rope_factors(rope, _head_dim(config)))]
+                 llama3_rope_factors(rope, head_dim(config)))]
     if arch.gguf_name == "phi3" and kind == "longrope":
         return [(gguf.TENSOR_NAMES[tensor] + ".weight", torch.tensor(rope[key], dtype=torch.float32))
                 for tensor, key in ((gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, "long_factor"),
                                     (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, "short_factor"))]
     return []
-
-
-# llama.cpp sizes Gemma 2/3 by their layer count and scales queries by 1/sqrt(hidden / heads) for
-# the 27B (46 and 62 layers), by 1/sqrt(head_dim) otherwise (llama.cpp's models/gemma2.cpp,
-# gemma3.cpp); transformers reads query_pre_attn_scalar.
-_LAST_FULL_SIZE_LAYERS = {"gemma2": 46, "gemma3": 62}
-
-
-def gemma_query_scalar(gguf_name: str, config: dict[str, Any]) -> int:
-    """The query_pre_attn_scalar llama.cpp assumes for a Gemma 2/3 of this size."""
-    big = config["num_hidden_layers"] == _LAST_FULL_SIZE_LAYERS[gguf_name]
-    return config["hidden_size"] // config["num_attention_heads"] if big else _head_dim(config)
 
 
 def _add_gemma_attention(writer: Any, arch: Architecture, config: dict[str, Any],
@@ -363,131 +187,8 @@ def _add_gemma_attention(writer: Any, arch: Architecture, config: dict[str, Any]
         writer.add_sliding_window(int(config["sliding_window"]))
         if kinds:
             writer.add_sliding_window_pattern(sliding)
-        local = _rope_parameters(config, "sliding_attention")
+        local = rope_parameters(config, "sliding_attention")
         writer.add_rope_freq_base_swa(float(config.get("rope_local_base_freq", local["rope_theta"])))
-
-
-def _pre_tokenizer_by_rule(spec: dict[str, Any]) -> str | None:
-    rule = spec.get("pre_tokenizer") or {}
-    steps = rule.get("pretokenizers", [rule])
-    if len(steps) == 1 and steps[0].get("type") == "ByteLevel" and steps[0].get("use_regex"):
-        return "gpt-2"
-    split = steps[0] if steps and steps[0].get("type") == "Split" else {}
-    return _SPLIT_RULES.get((split.get("pattern") or {}).get("Regex", ""))
-
-
-def _add_tokenizer(writer: Any, model_dir: Path, vocab_size: int) -> None:
-    """The base's vocabulary, special tokens and chat template, so llama.cpp's chat mode needs no
-    extra flags. tokenizer.json decides the kind, as in llama.cpp's LlamaModel.set_vocab: a BPE
-    with byte fallback is a SentencePiece vocabulary (Llama 2, Mistral, and what transformers makes
-    of such a GGUF), anything else a GPT-2-style byte-level BPE (Llama 3, Qwen2/3,
-    SmolLM)."""
-    import gguf
-    from transformers import AutoTokenizer
-
-    if not (model_dir / "tokenizer.json").is_file():
-        raise UserError(f"{model_dir}: no tokenizer.json; GGUF export needs the base's fast "
-                        "tokenizer beside its weights (save it with transformers' save_pretrained)")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    sentencepiece = spec["model"].get("type") == "BPE" and bool(spec["model"].get("byte_fallback"))
-    if sentencepiece:
-        _add_sentencepiece_vocab(writer, tokenizer, spec, vocab_size)
-    else:
-        _add_gpt2_vocab(writer, tokenizer, spec, model_dir, vocab_size)
-    # llama.cpp's converters load merges for the GPT-2 kind only; its SentencePiece tokenizer ranks
-    # by the scores written above.
-    special = gguf.SpecialVocab(model_dir, load_merges=not sentencepiece, n_vocab=vocab_size)
-    # Tokenizers saved by transformers 5 keep add_bos_token in the post-processor, not in
-    # tokenizer_config.json where SpecialVocab looks: say what the tokenizer really does.
-    probe = tokenizer("a").input_ids
-    special.add_special_token.setdefault("bos", bool(probe) and probe[0] == tokenizer.bos_token_id
-                                         and tokenizer.bos_token_id is not None)
-    special.add_to_gguf(writer, quiet=True)
-
-
-def _gpt2_pre_tokenizer(tokenizer: Any, spec: dict[str, Any], model_dir: Path) -> str:
-    digest = sha256(str(tokenizer.encode(_CHECK_TEXT)).encode()).hexdigest()
-    pre = _PRE_TOKENIZERS.get(digest) or _pre_tokenizer_by_rule(spec)
-    if pre is None:
-        raise UserError(f"{model_dir}/tokenizer.json: its pre-tokenizer is not one llama.cpp knows for "
-                        f"the supported families (check hash {digest[:16]}); byte-level BPE export "
-                        "works for Llama 3, Qwen2/3, SmolLM and GPT-4o-style (Phi-4 mini) tokenizers")
-    return pre
-
-
-def _token_table(tokenizer: Any, vocab_size: int, sentencepiece: bool) -> tuple[list[str], list[int]]:
-    """Tokens and llama.cpp token types for every id below vocab_size (llama.cpp's get_vocab_base
-    and _create_vocab_sentencepiece): ids the tokenizer lacks are unused [PADn] pieces; a
-    SentencePiece vocabulary also types its unknown piece and its <0xNN> byte pieces."""
-    import gguf
-
-    reverse = {index: token for token, index in tokenizer.get_vocab().items()}
-    added = tokenizer.added_tokens_decoder
-    tokens: list[str] = []
-    types: list[int] = []
-    for index in range(vocab_size):
-        token = reverse.get(index)
-        tokens.append(f"[PAD{index}]" if token is None else token)
-        if token is None:
-            types.append(gguf.TokenType.UNUSED)
-        elif sentencepiece and index == tokenizer.unk_token_id:
-            types.append(gguf.TokenType.UNKNOWN)
-        elif index in added:
-            types.append(gguf.TokenType.CONTROL if added[index].special else gguf.TokenType.USER_DEFINED)
-        elif sentencepiece and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
-            types.append(gguf.TokenType.BYTE)
-        else:
-            types.append(gguf.TokenType.NORMAL)
-    return tokens, types
-
-
-def _add_gpt2_vocab(writer: Any, tokenizer: Any, spec: dict[str, Any], model_dir: Path,
-                    vocab_size: int) -> None:
-    """llama.cpp's _set_vocab_gpt2: tokens, types and the pre-tokenizer; merges come with
-    SpecialVocab."""
-    pre = _gpt2_pre_tokenizer(tokenizer, spec, model_dir)
-    tokens, types = _token_table(tokenizer, vocab_size, sentencepiece=False)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-
-
-def _adds_space_prefix(spec: dict[str, Any]) -> bool:
-    """Whether the tokenizer puts "▁" before the text: a Metaspace pre-tokenizer (transformers'
-    current Llama converter) or a Prepend normalizer (the legacy one of Llama 2 and Mistral 7B)."""
-    def steps(part: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
-        return [] if not part else part.get(key) or [part]
-
-    for step in steps(spec.get("pre_tokenizer"), "pretokenizers"):
-        if step.get("type") == "Metaspace":
-            return step.get("prepend_scheme", "always") != "never" and step.get("add_prefix_space", True)
-    return any(step.get("type") == "Prepend" for step in steps(spec.get("normalizer"), "normalizers"))
-
-
-def _add_sentencepiece_vocab(writer: Any, tokenizer: Any, spec: dict[str, Any], vocab_size: int) -> None:
-    """llama.cpp's SentencePiece ("llama") vocabulary from tokenizer.json.
-
-    llama.cpp's tokenizer joins the adjacent pair whose joined piece scores highest; the BPE of
-    tokenizer.json applies the merge of lowest rank. Scoring each piece minus the rank of the first
-    merge that makes it orders both alike, so llama.cpp splits text as sentencepiece does. (llama.cpp's
-    converter reads sentencepiece's scores from tokenizer.model where there is one, and without one
-    scores every piece -1000, which splits differently; tokenizer.json is always there.)"""
-    merges = spec["model"].get("merges") or []
-    rank: dict[str, int] = {}
-    for index, merge in enumerate(merges):
-        left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
-        rank.setdefault(left + right, index)
-    tokens, types = _token_table(tokenizer, vocab_size, sentencepiece=True)
-    # Pieces no merge makes (single characters, bytes, specials) never win a join: they sort last.
-    scores = [-float(rank.get(token, len(merges) + index)) for index, token in enumerate(tokens)]
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_add_space_prefix(_adds_space_prefix(spec))
 
 
 # --------------------------------------------------------------------------- the adapter
@@ -565,7 +266,7 @@ def read_adapter(adapter_dir: Path) -> AdapterWeights:
 
 
 @dataclass
-class _Planned:
+class _PlannedTensor:
     name: str  # llama.cpp's tensor name
     qtype: Any  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]
@@ -597,7 +298,8 @@ def _weight_type(shape: tuple[int, ...], wanted: Any) -> Any:
     return wanted if shape[-1] % block == 0 else q.F16
 
 
-def _write(out: Path, arch_name: str, fill: Callable[[Any], None], planned: list[_Planned]) -> Path:
+def _write_gguf(out: Path, arch_name: str, fill: Callable[[Any], None],
+                planned: list[_PlannedTensor]) -> Path:
     """One GGUF file: keys from fill(writer), then the planned tensors streamed in order; the file
     appears at out only when complete."""
     import gguf
@@ -646,10 +348,10 @@ def export_model(base_dir: Path, out: Path, file_type: str = "f16",
     import gguf
 
     ftype, wanted = _file_types()[file_type]
-    base = _Base.read(base_dir)
+    base = _BaseModel.read(base_dir)
     config, arch = base.config, base.arch
     pending = dict(adapter.modules) if adapter else {}
-    planned = [_Planned(gguf_name, gguf.GGMLQuantizationType.F32, tuple(factors.shape),
+    planned = [_PlannedTensor(gguf_name, gguf.GGMLQuantizationType.F32, tuple(factors.shape),
                         lambda f=factors: f) for gguf_name, factors in _rope_tensors(arch, config)]
     for hf_name, file, meta, data_start in _base_tensors(base_dir):
         if hf_name.endswith("rotary_emb.inv_freq"):
@@ -675,7 +377,7 @@ def export_model(base_dir: Path, out: Path, file_type: str = "f16",
                 values = values + 1
             return base.llama_cpp_rows(hf_name, values)
 
-        planned.append(_Planned(gguf_name, _weight_type(shape, wanted), shape, make))
+        planned.append(_PlannedTensor(gguf_name, _weight_type(shape, wanted), shape, make))
     if pending:
         raise UserError(f"--adapter {adapter.directory if adapter else ''}: it updates "
                         f"{next(iter(pending))}, which the base {base_dir} does not have; pass the "
@@ -690,9 +392,9 @@ def export_model(base_dir: Path, out: Path, file_type: str = "f16",
         if wanted not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
                           gguf.GGMLQuantizationType.BF16):
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        _add_tokenizer(writer, base_dir, config["vocab_size"])
+        add_tokenizer(writer, base_dir, config["vocab_size"])
 
-    return _write(out, base.arch.gguf_name, fill, planned)
+    return _write_gguf(out, base.arch.gguf_name, fill, planned)
 
 
 def export_lora(base_dir: Path, adapter: AdapterWeights, out: Path, file_type: str = "f16") -> Path:
@@ -706,10 +408,10 @@ def export_lora(base_dir: Path, adapter: AdapterWeights, out: Path, file_type: s
     if file_type not in LORA_TYPES:
         raise UserError(f"--type {file_type}: a LoRA GGUF is written as one of {', '.join(LORA_TYPES)}")
     _, wanted = _file_types()[file_type]
-    base = _Base.read(base_dir)
+    base = _BaseModel.read(base_dir)
     shapes = {name: tuple(meta["shape"]) for name, _, meta, _ in _base_tensors(base_dir)}
     ranks = set()
-    planned: list[_Planned] = []
+    planned: list[_PlannedTensor] = []
     for hf_name, (lora_a, lora_b, _) in adapter.modules.items():
         base_shape = shapes.get(hf_name)
         if base_shape != (lora_b.shape[0], lora_a.shape[1]):
@@ -726,7 +428,7 @@ def export_lora(base_dir: Path, adapter: AdapterWeights, out: Path, file_type: s
         b = base.llama_cpp_rows(hf_name, lora_b.float())
         for suffix, values in ((".lora_a", lora_a.float()), (".lora_b", b)):
             shape = tuple(values.shape)
-            planned.append(_Planned(gguf_name + suffix, _weight_type(shape, wanted), shape,
+            planned.append(_PlannedTensor(gguf_name + suffix, _weight_type(shape, wanted), shape,
                                     lambda v=values: v))
     if len(ranks) != 1:
         raise UserError(f"--adapter {adapter.directory}: modules of ranks {sorted(ranks)}; one "
@@ -742,4 +444,4 @@ def export_lora(base_dir: Path, adapter: AdapterWeights, out: Path, file_type: s
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(effective_alpha))
         writer.add_name(f"{base_dir.name} LoRA")
 
-    return _write(out, base.arch.gguf_name, fill, planned)
+    return _write_gguf(out, base.arch.gguf_name, fill, planned)

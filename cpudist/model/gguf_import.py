@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,50 +24,18 @@ import torch
 
 from cpudist.errors import UserError
 from cpudist.files import file_lock, replacing
-from cpudist.model.gguf_export import (
+from cpudist.model.gguf_arch import (
     ARCHITECTURES,
     Architecture,
     gemma_query_scalar,
-    llama3_rope_factors,
+    head_dim,
+    llama3_rope_parameters,
 )
 from cpudist.model.safetensors_io import Spec, write_file, write_index
 
 log = logging.getLogger(__name__)
 
 SHARD_BYTES = 2 << 30
-
-
-def unpermute_qk(weight: torch.Tensor, n_head: int, n_head_kv: int | None) -> torch.Tensor:
-    """The inverse of llama.cpp's Q/K row permutation (permute_qk)."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return (weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
-
-
-# What Llama 3.x releases (and their fine-tunes) use for the four numbers of their rope scaling;
-# the neighbours cover variants. llama.cpp stores only the per-dimension factors they produce.
-_LLAMA3_CONTEXTS = (8192, 4096, 2048, 16384, 32768, 65536, 131072)
-_LLAMA3_FREQ_FACTORS = ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (0.5, 4.0), (2.0, 4.0), (2.0, 8.0))
-
-
-def llama3_rope_parameters(factors: torch.Tensor, rope_theta: float, head_dim: int,
-                           file: Path) -> dict[str, Any]:
-    """rope_type llama3 parameters that reproduce a GGUF's rope_freqs tensor (llama.cpp writes the
-    factors, not the factor / low / high / original-context numbers transformers needs). Only a
-    set that gives back the file's factors is accepted, so the model computes the same rotations."""
-    factor = float(factors.max())
-    for context in _LLAMA3_CONTEXTS:
-        for low, high in _LLAMA3_FREQ_FACTORS:
-            params = {"rope_type": "llama3", "rope_theta": rope_theta, "factor": factor,
-                      "low_freq_factor": low, "high_freq_factor": high,
-                      "original_max_position_embeddings": context}
-            candidate = llama3_rope_factors(params, head_dim)
-            if candidate.shape == factors.shape and torch.allclose(candidate, factors, rtol=1e-5,
-                                                                   atol=1e-6):
-                return params
-    raise UserError(f"model.path={file}: its rope_freqs tensor matches no Llama 3-style rope "
-                    "scaling cpudist knows; use the Hugging Face directory of this model")
 
 
 def _key(fields: dict[str, Any], arch_name: str, key: str, default: Any = None) -> Any:
@@ -93,7 +62,7 @@ _GEMMA_DEFAULTS = {"gemma2": _GemmaDefaults(4096, 2, 50.0, 30.0, None),
 
 def _gemma_attention(config: Any, fields: dict[str, Any], arch_name: str, file: Path) -> None:
     """Soft-capping, which layers slide and how far, their rope bases and the query scale, from a
-    Gemma 2/3 file's keys (the inverse of gguf_export._add_gemma_attention); transformers' GGUF
+    Gemma 2/3 file's keys (the inverse of what gguf_export writes for them); transformers' GGUF
     reader leaves them at its own defaults, and the model would compute other logits."""
     import gguf
 
@@ -137,12 +106,12 @@ def _gemma_attention(config: Any, fields: dict[str, Any], arch_name: str, file: 
 def _phi3_rope(config: Any, fields: dict[str, Any], by_gguf: dict[str, Any]) -> None:
     """Phi-3's rotated share of each head, original context, sliding window and LongRoPE factors
     (tensors in the file), which transformers' GGUF reader leaves at its defaults (the inverse of
-    gguf_export._add_phi3_rope and _rope_tensors)."""
+    what gguf_export writes for Phi-3)."""
     import gguf
 
     read = functools.partial(_key, fields, "phi3")
-    head_dim = config.hidden_size // config.num_attention_heads
-    fraction = int(read(gguf.Keys.Rope.DIMENSION_COUNT, head_dim)) / head_dim
+    head_width = config.hidden_size // config.num_attention_heads
+    fraction = int(read(gguf.Keys.Rope.DIMENSION_COUNT, head_width)) / head_width
     original = int(read(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN, config.max_position_embeddings))
     rope: dict[str, Any] = {"rope_type": "default",
                             "rope_theta": float(read(gguf.Keys.Rope.FREQ_BASE, 10000.0)),
@@ -219,10 +188,10 @@ def gguf_config(file: Path) -> Any:
     """The Hugging Face config a GGUF file converts to, from its metadata alone (what `cpudist
     plan` needs before any conversion)."""
     reader = _reader(file)
-    return _hf_config(reader, {t.name: t for t in reader.tensors}, file)[0]
+    return _converted_config(reader, {t.name: t for t in reader.tensors}, file)[0]
 
 
-def _hf_config(reader: Any, by_gguf: dict[str, Any], file: Path) -> tuple[Any, Architecture]:
+def _converted_config(reader: Any, by_gguf: dict[str, Any], file: Path) -> tuple[Any, Architecture]:
     """The file's Hugging Face config and architecture: transformers' GGUF reader, then what it
     leaves out or at its defaults, read from the file (by_gguf: its tensors by name)."""
     from transformers import AutoConfig
@@ -248,9 +217,8 @@ def _hf_config(reader: Any, by_gguf: dict[str, Any], file: Path) -> tuple[Any, A
     if "rope_freqs.weight" in by_gguf:
         factors = torch.from_numpy(np.array(by_gguf["rope_freqs.weight"].data, dtype=np.float32))
         rope = dict(config.rope_parameters or {})
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         config.rope_parameters = {**rope, **llama3_rope_parameters(
-            factors.flatten(), float(rope.get("rope_theta", 10000.0)), head_dim, file)}
+            factors.flatten(), float(rope.get("rope_theta", 10000.0)), head_dim(config.to_dict()), file)}
     if arch_name in _GEMMA_DEFAULTS:
         _gemma_attention(config, reader.fields, arch_name, file)
     elif arch_name == "phi3":
@@ -266,25 +234,44 @@ def _hf_config(reader: Any, by_gguf: dict[str, Any], file: Path) -> tuple[Any, A
 
 
 def _convert(file: Path, target: Path) -> None:
-    import gguf
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     reader = _reader(file)
     by_gguf = {t.name: t for t in reader.tensors}
-    config, arch = _hf_config(reader, by_gguf, file)
+    config, arch = _converted_config(reader, by_gguf, file)
     log.info("converting %s into %s (one time, tensor by tensor to bf16)", file, target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"model.path={file}: transformers cannot read its tokenizer "
                         f"({str(exc).splitlines()[0][:160]})") from None
-    # The HF names this config's model has, mapped to their llama.cpp names (the inverse of
-    # what export writes).
+    sources = _sources(config, arch, by_gguf, file)
+    n_head, n_head_kv = config.num_attention_heads, config.num_key_value_heads
+
+    def make(hf_name: str) -> torch.Tensor:
+        tensor, shape = sources[hf_name]
+        # llama.cpp's Gemma norms scale by weight, transformers' by 1 + weight.
+        shift = -1.0 if arch.norms_plus_one and hf_name.endswith("norm.weight") else 0.0
+        return arch.hf_rows(hf_name, _dequantized(tensor, shift).reshape(shape), n_head, n_head_kv)
+
+    with replacing(target) as tmp:
+        tmp.mkdir(parents=True)
+        _write_shards(tmp, {name: Spec(torch.bfloat16, shape) for name, (_, shape) in sources.items()},
+                      make)
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+
+def _sources(config: Any, arch: Architecture, by_gguf: dict[str, Any],
+             file: Path) -> dict[str, tuple[Any, tuple[int, ...]]]:
+    """Each weight of the model this config makes: the GGUF tensor it is read from and its
+    Hugging Face shape (the inverse of the names export writes)."""
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         shapes = {name: tuple(p.shape) for name, p in
                   AutoModelForCausalLM.from_config(config).state_dict().items()}
-    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_name.upper()],
-                                          config.num_hidden_layers)
+    tensor_map = arch.tensor_names(config.num_hidden_layers)
     sources = {}
     for hf_name, shape in shapes.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
@@ -294,38 +281,26 @@ def _convert(file: Path, target: Path) -> None:
             raise UserError(f"model.path={file}: tensor {gguf_name} ({hf_name}) is missing; the file "
                             "is incomplete or not a causal LM of this architecture")
         sources[hf_name] = (by_gguf[gguf_name], shape)
-    n_head, n_head_kv = config.num_attention_heads, config.num_key_value_heads
+    return sources
 
-    def make(hf_name: str) -> torch.Tensor:
-        tensor, shape = sources[hf_name]
-        # llama.cpp's Gemma norms scale by weight, transformers' by 1 + weight.
-        shift = -1.0 if arch.norms_plus_one and hf_name.endswith("norm.weight") else 0.0
-        values = _dequantized(tensor, shift).reshape(shape)
-        if arch.permute_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            values = unpermute_qk(values, n_head, n_head)
-        elif arch.permute_qk and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            values = unpermute_qk(values, n_head, n_head_kv)
-        return values
 
+def _write_shards(directory: Path, specs: dict[str, Spec],
+                  make: Callable[[str], torch.Tensor]) -> None:
+    """The weights as safetensors files of up to SHARD_BYTES each (an index beside them when
+    there are several), each tensor made by make(name) when its turn comes."""
     shards: list[dict[str, Spec]] = [{}]
     size = 0
-    for hf_name, (_, shape) in sources.items():
-        spec = Spec(torch.bfloat16, shape)
+    for name, spec in specs.items():
         if shards[-1] and size + spec.nbytes > SHARD_BYTES:
             shards.append({})
             size = 0
-        shards[-1][hf_name] = spec
+        shards[-1][name] = spec
         size += spec.nbytes
-    with replacing(target) as tmp:
-        tmp.mkdir(parents=True)
-        weight_map, total = {}, 0
-        for index, specs in enumerate(shards):
-            shard = (f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
-                     else "model.safetensors")
-            write_file(tmp / shard, specs, make)
-            weight_map.update(dict.fromkeys(specs, shard))
-            total += sum(spec.nbytes for spec in specs.values())
-        if len(shards) > 1:
-            write_index(tmp, weight_map, total)
-        config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    weight_map = {}
+    for index, shard_specs in enumerate(shards):
+        shard = (f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
+                 else "model.safetensors")
+        write_file(directory / shard, shard_specs, make)
+        weight_map.update(dict.fromkeys(shard_specs, shard))
+    if len(shards) > 1:
+        write_index(directory, weight_map, sum(spec.nbytes for spec in specs.values()))

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from cpudist.cli import main
-from cpudist.model.gguf_export import permute_qk, read_adapter
+from cpudist.model.gguf_arch import permute_qk
+from cpudist.model.gguf_export import read_adapter
 from tests.helpers import GEMMA_FEATURES, PHI3_ROPES
 
 
-def _peft_adapter(base: Path, out: Path, **lora: object) -> tuple[Path, dict[str, torch.Tensor]]:
+def peft_adapter(base: Path, out: Path, **lora: object) -> tuple[Path, dict[str, torch.Tensor]]:
     """A saved adapter with random (non-zero) B, and the merged weights peft computes for it."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -38,7 +39,7 @@ def _peft_adapter(base: Path, out: Path, **lora: object) -> tuple[Path, dict[str
 def test_streamed_merge_equals_peft_merge(tiny_llama: Path, tmp_path: Path, method: dict) -> None:
     from safetensors.torch import load_file
 
-    adapter_dir, expected = _peft_adapter(tiny_llama, tmp_path / "adapter", **method)
+    adapter_dir, expected = peft_adapter(tiny_llama, tmp_path / "adapter", **method)
     adapter = read_adapter(adapter_dir)
     base = load_file(tiny_llama / "model.safetensors")
     assert len(adapter.modules) == 2 * 7
@@ -64,7 +65,7 @@ def test_exported_tensors_are_the_merged_weights_in_llama_cpp_layout(
     from safetensors.torch import load_file
 
     base_dir = tiny_llama if kind == "llama" else tiny_qwen
-    adapter_dir, merged = _peft_adapter(base_dir, tmp_path / "adapter")
+    adapter_dir, merged = peft_adapter(base_dir, tmp_path / "adapter")
     out = tmp_path / "merged.gguf"
     assert main(["export", "--base", str(base_dir), "--adapter", str(adapter_dir),
                  "--out", str(out), "--type", "f32"]) == 0
@@ -91,7 +92,7 @@ def test_exported_tensors_are_the_merged_weights_in_llama_cpp_layout(
 
 
 def test_lora_file_carries_the_scale_peft_uses(tiny_llama: Path, tmp_path: Path) -> None:
-    adapter_dir, _ = _peft_adapter(tiny_llama, tmp_path / "adapter", use_rslora=True)
+    adapter_dir, _ = peft_adapter(tiny_llama, tmp_path / "adapter", use_rslora=True)
     out = tmp_path / "lora.gguf"
     assert main(["export", "--base", str(tiny_llama), "--adapter", str(adapter_dir), "--lora",
                  "--out", str(out), "--type", "f32"]) == 0
@@ -119,7 +120,7 @@ def test_bad_input_gets_one_line_errors(tiny_llama: Path, tiny_qwen: Path, tmp_p
         assert len(errors) == 1, errors
         return errors[0]
 
-    dora_dir, _ = _peft_adapter(tiny_llama, tmp_path / "dora", use_dora=True)
+    dora_dir, _ = peft_adapter(tiny_llama, tmp_path / "dora", use_dora=True)
     assert "DoRA" in error(["export", "--base", str(tiny_llama), "--adapter", str(dora_dir), "--lora",
                             "--out", str(tmp_path / "x.gguf")])
     # An architecture llama.cpp export does not cover.
@@ -132,7 +133,7 @@ def test_bad_input_gets_one_line_errors(tiny_llama: Path, tiny_qwen: Path, tmp_p
         ["export", "--base", str(other), "--out", str(tmp_path / "y.gguf")])
     # An adapter trained on another base (the Qwen's projections have biases, the same shapes:
     # make the shapes differ with a wider Llama).
-    lora_dir, _ = _peft_adapter(tiny_llama, tmp_path / "lora")
+    lora_dir, _ = peft_adapter(tiny_llama, tmp_path / "lora")
     wide = tmp_path / "wide"
     shutil.copytree(tiny_llama, wide)
     from safetensors.torch import load_file, save_file
@@ -226,9 +227,9 @@ def test_sentencepiece_vocabulary_goes_to_gguf_and_back(spm_tokenizer_dir: Path,
     ({"pre_tokenizer": None, "normalizer": None}, False),
 ], ids=["metaspace-first", "metaspace-never", "metaspace-old-key", "legacy-prepend", "none"])
 def test_space_prefix_is_read_from_either_llama_tokenizer_layout(spec: dict, expected: bool) -> None:
-    from cpudist.model.gguf_export import _adds_space_prefix
+    from cpudist.model.gguf_vocab import adds_space_prefix
 
-    assert _adds_space_prefix(spec) is expected
+    assert adds_space_prefix(spec) is expected
 
 
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -267,8 +268,7 @@ def test_llama3_rope_scaling_goes_to_gguf_and_back(tokenizer_dir: Path, tmp_path
 
 def test_rope_freqs_that_match_no_llama3_scaling_are_refused(tmp_path: Path) -> None:
     from cpudist.errors import UserError
-    from cpudist.model.gguf_export import llama3_rope_factors
-    from cpudist.model.gguf_import import llama3_rope_parameters
+    from cpudist.model.gguf_arch import llama3_rope_factors, llama3_rope_parameters
 
     for params in (LLAMA31_ROPE, {**LLAMA31_ROPE, "factor": 32.0}):  # Llama 3.1, Llama 3.2
         factors = llama3_rope_factors(params, 128)

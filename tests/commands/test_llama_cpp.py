@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from cpudist.cli import main
 from tests.helpers import GEMMA_FEATURES, PHI3_ROPES, cpudist_cmd, run, tiny_overrides, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -28,6 +29,11 @@ NEW_TOKENS = 12
 VAL_ROWS = 40
 LOGPROB_TOL = 0.05
 NEAR_TIE = 2 * LOGPROB_TOL
+
+
+def _cpudist(*args: object) -> None:
+    """A cpudist command that needs no process of its own (export, merge), run in this one."""
+    assert main([str(arg) for arg in args]) == 0
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +59,9 @@ def exported(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     paths = {}
     for name, flags in files.items():
         paths[name] = root / f"{name}.gguf"
-        result = run([*cpudist_cmd(), "export", "--base", smol_dir, *flags, "--out", paths[name]])
-        assert result.returncode == 0, result.stderr[-3000:]
+        _cpudist("export", "--base", smol_dir, *flags, "--out", paths[name])
     merged_dir = root / "merged-hf"
-    result = run([*cpudist_cmd(), "merge", "--base", smol_dir, "--adapter", out, "--out", merged_dir])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("merge", "--base", smol_dir, "--adapter", out, "--out", merged_dir)
     return {"paths": paths, "merged_hf": merged_dir, "base_hf": smol_dir, "val": val_file}
 
 
@@ -215,8 +219,7 @@ def test_llama3_rope_scaling_runs_in_llama_cpp_as_in_transformers(tokenizer_dir:
     plain = make_tiny_model("llama", tokenizer_dir, tmp_path / "plain", **shape,  # same weights
                             rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     file = tmp_path / "scaled.gguf"
-    result = run([*cpudist_cmd(), "export", "--base", scaled, "--type", "f32", "--out", file])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("export", "--base", scaled, "--type", "f32", "--out", file)
     ids = torch.randint(100, 40000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     cpp = _cpp_logits(_llama(file), ids)
     error = np.abs(cpp - _transformers_logits(scaled, ids)).max()
@@ -241,13 +244,11 @@ def test_mistral_with_a_sentencepiece_vocabulary_runs_in_llama_cpp_as_in_transfo
     import sentencepiece
     from transformers import AutoTokenizer
 
-    from cpudist.cli import main
     from tests.helpers import chatterbot_lines, make_tiny_model
 
     base = make_tiny_model("mistral", spm_tokenizer_dir, tmp_path / "mistral", tie_word_embeddings=False)
     file = tmp_path / "mistral.gguf"
-    result = run([*cpudist_cmd(), "export", "--base", base, "--type", "f32", "--out", file])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("export", "--base", base, "--type", "f32", "--out", file)
 
     llm = _llama(file)
     reference = sentencepiece.SentencePieceProcessor(
@@ -264,7 +265,7 @@ def test_mistral_with_a_sentencepiece_vocabulary_runs_in_llama_cpp_as_in_transfo
     monkeypatch.setattr(gguf.GGUFWriter, "add_token_scores",
                         lambda writer, scores: write_scores(writer, [-1000.0] * len(scores)))
     flat = tmp_path / "flat.gguf"
-    assert main(["export", "--base", str(base), "--type", "f32", "--out", str(flat)]) == 0
+    _cpudist("export", "--base", base, "--type", "f32", "--out", flat)
     flat_differ = len(differ(_llama(flat)))
     print(f"flat scores: {flat_differ} of {len(texts)} texts split differently")
     assert flat_differ > len(texts) // 10
@@ -274,6 +275,50 @@ def test_mistral_with_a_sentencepiece_vocabulary_runs_in_llama_cpp_as_in_transfo
     assert ids == llm.tokenize(b"What is your favourite colour? Tell me why.")  # type: ignore[attr-defined]
     expected = _transformers_logits(base, ids)
     assert np.abs(_cpp_logits(llm, ids) - expected).max() < 0.01 * np.abs(expected).max()
+
+
+# How far each --type may move a tiny model's logits in llama.cpp from transformers' (fp32 weights),
+# as a share of the largest logit: about twice what the Llama and the Qwen2 measured (f32 1e-4,
+# f16 3e-4, bf16 2.4e-3, q8_0 8e-3, q5_1 0.045, q5_0 0.050, q4_1 0.103, q4_0 0.092). Weights
+# whose rows llama.cpp read out of order would move them by about the logits' own size (0.8 for
+# q4_0 with reversed rows); a Llama's Q/K rows left unpermuted by 7e-3, which the f32, f16 and
+# bf16 bounds catch (this small a random model's attention is nearly uniform).
+TYPE_TOLERANCES = {"f32": 1e-3, "f16": 1e-3, "bf16": 5e-3, "q8_0": 0.02, "q5_1": 0.1, "q5_0": 0.1,
+                   "q4_1": 0.2, "q4_0": 0.2}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_every_weight_type_runs_in_llama_cpp_as_in_transformers(kind: str, tiny_llama: Path,
+                                                                  tiny_qwen: Path, tmp_path: Path) -> None:
+    """Every --type on a Llama (Q/K rows permuted for llama.cpp) and a Qwen2 (its own llama.cpp
+    graph, Q/K/V biases): llama.cpp loads the file as that type (its file type, and the bits per
+    weight of what it loaded) and computes transformers' logits within what the type's rounding
+    changes."""
+    import gguf
+
+    from cpudist.commands.export import TYPE_NAMES
+
+    assert set(TYPE_TOLERANCES) == set(TYPE_NAMES)
+    base = tiny_llama if kind == "llama" else tiny_qwen
+    ids = torch.randint(100, 40000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    expected = _transformers_logits(base, ids)
+    errors = {}
+    for file_type in TYPE_NAMES:
+        file = tmp_path / f"{kind}-{file_type}.gguf"
+        _cpudist("export", "--base", base, "--type", file_type, "--out", file)
+        llm = _llama(file)
+        assert llm.metadata["general.architecture"] == kind
+        wanted = gguf.GGMLQuantizationType[file_type.upper()]
+        file_kind = (gguf.LlamaFileType.ALL_F32 if file_type == "f32"
+                     else gguf.LlamaFileType[f"MOSTLY_{file_type.upper()}"])
+        assert llm.metadata["general.file_type"] == str(int(file_kind))
+        # What llama.cpp loaded, in bits per weight: the 2-D weights' type (the F32 norms and
+        # biases are a few hundred of the 3.2M parameters).
+        block, block_bytes = gguf.GGML_QUANT_SIZES[wanted]
+        bits = 8 * llama_cpp.llama_model_size(llm.model) / llama_cpp.llama_model_n_params(llm.model)
+        assert bits == pytest.approx(8 * block_bytes / block, abs=0.01), (file_type, bits)
+        errors[file_type] = np.abs(_cpp_logits(llm, ids) - expected).max() / np.abs(expected).max()
+    assert all(errors[file_type] < tolerance for file_type, tolerance in TYPE_TOLERANCES.items()), errors
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen3"])
@@ -286,8 +331,7 @@ def test_wide_heads_run_in_llama_cpp_as_in_transformers(kind: str, tokenizer_dir
     base = make_tiny_model(kind, tokenizer_dir, tmp_path / kind, head_dim=32,  # 64 / 4 heads = 16
                            initializer_range=0.2)
     file = tmp_path / f"{kind}.gguf"
-    result = run([*cpudist_cmd(), "export", "--base", base, "--type", "f32", "--out", file])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("export", "--base", base, "--type", "f32", "--out", file)
     ids = torch.randint(100, 40000, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     expected = _transformers_logits(base, ids)
     assert np.abs(_cpp_logits(_llama(file), ids) - expected).max() < 0.01 * np.abs(expected).max()
@@ -302,12 +346,12 @@ def test_gemma_family_runs_in_llama_cpp_as_in_transformers(kind: str, gemma_toke
     merged, and the same with the LoRA file on the base."""
     import sentencepiece
 
-    from tests.commands.test_export import _peft_adapter
+    from tests.commands.test_export import peft_adapter
     from tests.helpers import chatterbot_lines, make_tiny_model
 
     base = make_tiny_model(kind, gemma_tokenizer_dir, tmp_path / kind, head_dim=32,
                            initializer_range=0.2, **GEMMA_FEATURES[kind])
-    adapter, _ = _peft_adapter(base, tmp_path / "adapter")
+    adapter, _ = peft_adapter(base, tmp_path / "adapter")
     _check_adapter_exports(base, adapter, tmp_path, length=64)
     llm = _llama(tmp_path / "base.gguf")
     reference = sentencepiece.SentencePieceProcessor(
@@ -324,14 +368,14 @@ def test_phi3_runs_in_llama_cpp_as_in_transformers(rope: str, spm_tokenizer_dir:
     """Phi-3 (fused qkv_proj and gate_up_proj, a Llama 2 SentencePiece vocabulary), with an
     adapter on the fused projections, merged and as a LoRA file; LongRoPE's factors travel (the
     test fails without them or without the attention factor)."""
-    from tests.commands.test_export import _peft_adapter
+    from tests.commands.test_export import peft_adapter
     from tests.helpers import make_tiny_model
 
     # No "phi3" in the file's name (base and run directory): llama.cpp gives files so named
     # Phi-3's special tokens (<|endoftext|>), which this small vocabulary has not.
     base = make_tiny_model("phi3", spm_tokenizer_dir, tmp_path / "small", initializer_range=0.2,
                            pad_token_id=0, **PHI3_ROPES[rope])
-    adapter, _ = _peft_adapter(base, tmp_path / "run" / "adapter",
+    adapter, _ = peft_adapter(base, tmp_path / "run" / "adapter",
                                target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
     _check_adapter_exports(base, adapter, tmp_path, length=48)
 
@@ -347,14 +391,14 @@ def test_phi4_mini_with_a_gpt4o_style_vocabulary_runs_in_llama_cpp_as_in_transfo
 
     from cpudist.config import ModelConfig
     from cpudist.model.load import resolve_model_path
-    from tests.commands.test_export import _peft_adapter
+    from tests.commands.test_export import peft_adapter
     from tests.helpers import chatterbot_lines, make_tiny_model, save_gpt4o_style_tokenizer
 
     lines = [*chatterbot_lines("english", tmp_path), *chatterbot_lines("chinese", tmp_path)]
     tokenizer_dir = save_gpt4o_style_tokenizer(tmp_path / "tokenizer", lines)
     base = make_tiny_model("phi3", tokenizer_dir, tmp_path / "small", initializer_range=0.2,
                            partial_rotary_factor=0.75, pad_token_id=0)
-    adapter, _ = _peft_adapter(base, tmp_path / "run" / "adapter",
+    adapter, _ = peft_adapter(base, tmp_path / "run" / "adapter",
                                target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
     _check_adapter_exports(base, adapter, tmp_path, length=48)
     assert gguf.GGUFReader(tmp_path / "base.gguf").fields["tokenizer.ggml.pre"].contents() == "gpt-4o"
@@ -385,17 +429,14 @@ def test_a_gguf_base_trains_and_its_lora_file_runs_on_that_gguf_in_llama_cpp(
     hf_dir = make_tiny_model("gemma3_text", gemma_tokenizer_dir, tmp_path / "hf", head_dim=32,
                              initializer_range=0.2, **GEMMA_FEATURES["gemma3_text"])
     users_file = tmp_path / "model-f32.gguf"
-    result = run([*cpudist_cmd(), "export", "--base", hf_dir, "--type", "f32", "--out", users_file])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("export", "--base", hf_dir, "--type", "f32", "--out", users_file)
     out = tmp_path / "run"
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
     result = run([*cpudist_cmd(), "train", *tiny_overrides(
         users_file, data, out, lora__alpha=64, model__cache_dir=tmp_path / "cache")])
     assert result.returncode == 0, result.stderr[-3000:]
     lora_file = tmp_path / "lora.gguf"
-    result = run([*cpudist_cmd(), "export", "--adapter", out / "adapter", "--lora", "--type", "f32",
-                  "--out", lora_file])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("export", "--adapter", out / "adapter", "--lora", "--type", "f32", "--out", lora_file)
 
     converted = Path(json.loads((out / "adapter" / "adapter_config.json").read_text())
                      ["base_model_name_or_path"])
@@ -425,8 +466,7 @@ def test_k_and_i_quant_gguf_files_read_back_to_the_model_llama_cpp_runs(
     base = make_tiny_model("llama", tokenizer_dir, tmp_path / "small", hidden_size=256,
                            intermediate_size=512, initializer_range=0.05)
     f32 = tmp_path / "small-f32.gguf"
-    result = run([*cpudist_cmd(), "export", "--base", base, "--type", "f32", "--out", f32])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("export", "--base", base, "--type", "f32", "--out", f32)
     quantized = tmp_path / "small-quantized.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, ftype)
@@ -449,9 +489,7 @@ def _check_adapter_exports(base: Path, adapter: Path, tmp_path: Path, length: in
 
     files = {"merged": ["--adapter", adapter], "base": [], "lora": ["--adapter", adapter, "--lora"]}
     for name, flags in files.items():
-        result = run([*cpudist_cmd(), "export", "--base", base, *flags, "--type", "f32",
-                      "--out", tmp_path / f"{name}.gguf"])
-        assert result.returncode == 0, result.stderr[-3000:]
+        _cpudist("export", "--base", base, *flags, "--type", "f32", "--out", tmp_path / f"{name}.gguf")
     ids = torch.randint(10, 600, (length,), generator=torch.Generator().manual_seed(0)).tolist()
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                                       adapter).eval()
