@@ -56,6 +56,24 @@ def resolve_data_path(path: str, cache_dir: str) -> Path:
     return resolved
 
 
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    """Rows of a parquet file; a damaged one (cut short, not parquet, corrupt pages) is a one-line
+    UserError naming it."""
+    import datasets
+    import pyarrow
+    import pyarrow.parquet as pq
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        # The footer first: datasets logs its own error line for a bad one before raising.
+        pq.read_metadata(path)
+        return list(datasets.Dataset.from_parquet(str(path)))
+    except (pyarrow.ArrowException, OSError, DatasetGenerationError) as exc:
+        cause = exc.__cause__ if isinstance(exc, DatasetGenerationError) and exc.__cause__ else exc
+        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        raise UserError(f"{path}: not a readable parquet file ({why}); copy or export it again") from None
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """Rows of a .jsonl / .json / .parquet file or a saved datasets directory."""
     import datasets
@@ -86,6 +104,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             raise UserError(f"{path}: a .json dataset must be a list of objects (or use .jsonl)")
         return loaded
     if suffix == ".parquet":
-        return list(datasets.Dataset.from_parquet(str(path)))
+        return _read_parquet(path)
     raise UserError(f"{path}: unsupported data file type '{suffix}'; use .jsonl, .json, .parquet "
                     "or a saved datasets directory")
