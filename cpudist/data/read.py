@@ -64,14 +64,31 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq
     from datasets.exceptions import DatasetGenerationError
 
+    def damaged(exc: BaseException) -> bool:
+        # pyarrow's own errors; its OSErrors (e.g. corrupt compressed data) carry no errno.
+        return isinstance(exc, pyarrow.ArrowException) or (
+            isinstance(exc, OSError) and exc.errno is None)
+
+    def refuse(exc: BaseException) -> UserError:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return UserError(f"{path}: not a readable parquet file ({why}); copy or export it again")
+
     try:
-        # The footer first: datasets logs its own error line for a bad one before raising.
+        # The footer first: datasets logs an error line of its own for a bad one.
         pq.read_metadata(path)
+    except OSError as exc:
+        if damaged(exc):
+            raise refuse(exc) from None
+        raise UserError(f"{path}: cannot read it ({exc.strerror})") from None
+    except pyarrow.ArrowException as exc:
+        raise refuse(exc) from None
+    try:
         return list(datasets.Dataset.from_parquet(str(path)))
     except (pyarrow.ArrowException, OSError, DatasetGenerationError) as exc:
-        cause = exc.__cause__ if isinstance(exc, DatasetGenerationError) and exc.__cause__ else exc
-        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-        raise UserError(f"{path}: not a readable parquet file ({why}); copy or export it again") from None
+        cause = exc.__cause__ if isinstance(exc, DatasetGenerationError) else exc
+        if cause is None or not damaged(cause):
+            raise
+        raise refuse(cause) from None
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
