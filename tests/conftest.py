@@ -115,7 +115,8 @@ def alpaca_file(tmp_path: Path) -> Path:
 @contextlib.contextmanager
 def netns_cluster_of(nodes: int) -> Iterator[object]:
     """cpudist's fake cluster (cpudist.launch.netns) for tests: skips, with the reason, where it
-    cannot be made (not root, no iproute2/unshare, no Open MPI in the venv)."""
+    cannot be made (not root, no right to create namespaces, no iproute2/unshare, no Open MPI in
+    the venv); where it can, failing to make it is a failure."""
     from cpudist.errors import UserError
     from cpudist.launch import netns
 
@@ -123,14 +124,10 @@ def netns_cluster_of(nodes: int) -> Iterator[object]:
         pytest.skip("no Open MPI mpirun next to this Python (pip install 'cpudist[mpi]')")
     try:
         netns.check_can_run()
-        cm = netns.fake_cluster(nodes)
-        cluster = cm.__enter__()
     except UserError as exc:
         pytest.skip(str(exc))
-    try:
+    with netns.fake_cluster(nodes) as cluster:
         yield cluster
-    finally:
-        cm.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")

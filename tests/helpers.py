@@ -3,12 +3,17 @@ reading a run's metrics, and the model/loss helpers of the equality tests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -255,6 +260,64 @@ def run(cmd: list, timeout: float = 600, **kwargs: object) -> subprocess.Complet
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}  # type: ignore[dict-item]
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=REPO, **kwargs)  # type: ignore[call-overload]
+
+
+@contextlib.contextmanager
+def process_state_kept() -> Iterator[None]:
+    """Puts back what a command run in this process changes in it: cpudist's log handlers (bound
+    to the stream that was sys.stdout then, closed once that test's capture ends), the capture of
+    Python warnings into logging, torch's threads and RNG, the CPU affinity, the handlers of the
+    signals a run stops on, the environment (OMP_NUM_THREADS, HF_HUB_OFFLINE, ...) and the thread
+    excepthook. Library verbosity and progress bars stay as the command left them."""
+    loggers = [logging.getLogger(name) for name in ("cpudist", "py.warnings")]
+    saved_loggers = [(log, list(log.handlers), log.level, log.propagate) for log in loggers]
+    showwarning = warnings.showwarning
+    threads = torch.get_num_threads()
+    rng = torch.random.get_rng_state()
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    signals = {sig: signal.getsignal(sig)
+               for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)}
+    environ = dict(os.environ)
+    excepthook = threading.excepthook
+    try:
+        yield
+    finally:
+        for log, handlers, level, propagate in saved_loggers:
+            log.handlers[:] = handlers
+            log.setLevel(level)
+            log.propagate = propagate
+        if warnings.showwarning is not showwarning:
+            logging.captureWarnings(False)
+            warnings.showwarning = showwarning
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng)
+        if affinity is not None and os.sched_getaffinity(0) != affinity:
+            os.sched_setaffinity(0, affinity)
+        for sig, handler in signals.items():
+            signal.signal(sig, handler)
+        for name in set(os.environ) - set(environ):
+            del os.environ[name]
+        os.environ.update(environ)
+        threading.excepthook = excepthook
+
+
+def cli_in_process(capsys: pytest.CaptureFixture[str], args: list) -> subprocess.CompletedProcess:
+    """`cpudist ARGS` run by cpudist.cli.main in this process (seconds faster than a new process,
+    which imports torch and transformers again): exit code, stdout and stderr as a process would
+    give them, the test process as it was before (process_state_kept)."""
+    from cpudist.cli import main
+
+    argv = [str(a) for a in args]
+    capsys.readouterr()  # only this command's output
+    with process_state_kept():
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's errors (code 2) and --help
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)  # as the interpreter prints it
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["cpudist", *argv], code, out, err)
 
 
 # --------------------------------------------------------------------------- a run's metrics

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from cpudist.commands.common import positive_int
+
 HELP = "make or remove a fake cluster of N nodes on this machine (root)"
 DESCRIPTION = ("Network namespaces joined by a private link, each one a 'node' with its own "
                "address and host name, for rehearsing multi-node launches on one machine "
@@ -12,7 +14,7 @@ DESCRIPTION = ("Network namespaces joined by a private link, each one a 'node' w
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["up", "down", "list"])
-    parser.add_argument("count", nargs="?", type=int, help="number of nodes (up)")
+    parser.add_argument("count", nargs="?", type=positive_int, help="number of nodes (up)")
     parser.add_argument("--prefix", default="node", help="node names PREFIX0, PREFIX1, ... "
                                                          "(default node)")
     parser.add_argument("--link", metavar="RATE[,DELAY[,JITTER[,LOSS]]]",

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from cpudist.commands.common import positive_int
+
 HELP = "check or convert an MPI hostfile"
 DESCRIPTION = "Hostfiles in Open MPI ('host slots=N') or hydra ('host:N') syntax."
 INTERMIXED = False  # sub-actions
@@ -15,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     chk = sub.add_parser("check", help="validate syntax, resolve hosts, count slots")
     chk.add_argument("file")
-    chk.add_argument("--np", "-np", type=int, default=None,
+    chk.add_argument("--np", "-np", type=positive_int, default=None,
                      help="ranks you mean to launch: warn when more than the slots")
     chk.add_argument("--no-resolve", dest="resolve", action="store_false",
                      help="do not look the host names up (e.g. checking a file for another site)")

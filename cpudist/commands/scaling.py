@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from cpudist.commands.bench import add_bench_flags, bench_args
+from cpudist.commands.common import positive_int
 from cpudist.errors import UserError
 
 HELP = "the bench under mpirun at several rank counts (threads split per rank)"
@@ -17,7 +18,7 @@ DESCRIPTION = ("Run `cpudist bench` under mpirun with each rank count; writes sc
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_bench_flags(parser)
     parser.add_argument("--np", default="1,2", help="rank counts, comma separated (default 1,2)")
-    parser.add_argument("--total-threads", type=int,
+    parser.add_argument("--total-threads", type=positive_int,
                         help="threads of one node, shared by its ranks (default: this machine's "
                              "physical cores)")
     parser.add_argument("--hostfile", "-f",
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep --batch-size per rank (default: the global batch is kept and "
                              "split between the ranks)")
     parser.add_argument("--out", type=Path, default=Path("runs/scaling"), help="output directory")
-    parser.add_argument("--fake-nodes", type=int, metavar="N",
+    parser.add_argument("--fake-nodes", type=positive_int, metavar="N",
                         help="one rank on each of 1, 2, 4, ... N network namespaces of this "
                              "machine, against the same ranks over loopback (root; --batch-size "
                              "is per rank)")
@@ -86,8 +87,6 @@ def _fake_nodes(ns: argparse.Namespace) -> int:
 
     if not ns.fake_nodes or not ns.link:
         raise UserError("--fake-nodes N and --link RATE[,DELAY[,JITTER[,LOSS]]] go together")
-    if ns.fake_nodes < 1:
-        raise UserError(f"--fake-nodes {ns.fake_nodes}: give at least 1")
     if ns.hostfile:
         raise UserError("--fake-nodes makes its own nodes: drop --hostfile")
     link = parse_link(ns.link)

@@ -56,6 +56,41 @@ def resolve_data_path(path: str, cache_dir: str) -> Path:
     return resolved
 
 
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    """Rows of a parquet file; a damaged one (cut short, not parquet, corrupt pages) is a one-line
+    UserError naming it."""
+    import datasets
+    import pyarrow
+    import pyarrow.parquet as pq
+    from datasets.exceptions import DatasetGenerationError
+
+    def damaged(exc: BaseException) -> bool:
+        # pyarrow's own errors; its OSErrors (e.g. corrupt compressed data) carry no errno.
+        return isinstance(exc, pyarrow.ArrowException) or (
+            isinstance(exc, OSError) and exc.errno is None)
+
+    def refuse(exc: BaseException) -> UserError:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return UserError(f"{path}: not a readable parquet file ({why}); copy or export it again")
+
+    try:
+        # The footer first: datasets logs an error line of its own for a bad one.
+        pq.read_metadata(path)
+    except OSError as exc:
+        if damaged(exc):
+            raise refuse(exc) from None
+        raise UserError(f"{path}: cannot read it ({exc.strerror})") from None
+    except pyarrow.ArrowException as exc:
+        raise refuse(exc) from None
+    try:
+        return list(datasets.Dataset.from_parquet(str(path)))
+    except (pyarrow.ArrowException, OSError, DatasetGenerationError) as exc:
+        cause = exc.__cause__ if isinstance(exc, DatasetGenerationError) else exc
+        if cause is None or not damaged(cause):
+            raise
+        raise refuse(cause) from None
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """Rows of a .jsonl / .json / .parquet file or a saved datasets directory."""
     import datasets
@@ -86,6 +121,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             raise UserError(f"{path}: a .json dataset must be a list of objects (or use .jsonl)")
         return loaded
     if suffix == ".parquet":
-        return list(datasets.Dataset.from_parquet(str(path)))
+        return _read_parquet(path)
     raise UserError(f"{path}: unsupported data file type '{suffix}'; use .jsonl, .json, .parquet "
                     "or a saved datasets directory")

@@ -64,12 +64,23 @@ def nodes_of(prefix: str) -> list[str]:
 
 
 def check_can_run() -> None:
-    """A one-line error when this machine cannot make namespaces (not root, no ip/unshare)."""
+    """A one-line error when this machine cannot make namespaces: not root, no ip/unshare, or
+    root without the right to (a container without CAP_SYS_ADMIN, or whose security profile
+    forbids the mounts `ip netns add` makes)."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         raise UserError("a fake cluster needs root (network namespaces); run as root")
     for tool, package in (("ip", "iproute2"), ("unshare", "util-linux")):
         if shutil.which(tool) is None:
             raise UserError(f"a fake cluster needs '{tool}': apt-get install {package}")
+    # Being root is not enough: only trying tells. A throwaway namespace, removed at once.
+    probe = f"cpdprobe{os.getpid()}"
+    done = _ip("netns", "add", probe, check=False)
+    _ip("netns", "delete", probe, check=False)
+    if done.returncode:
+        lines = done.stderr.strip().splitlines()
+        why = lines[-1] if lines else f"ip netns add exited {done.returncode}"
+        raise UserError(f"cannot create network namespaces here ({why}): run as root on the "
+                        "host, or in a container with CAP_SYS_ADMIN (docker run --privileged)")
 
 
 # --------------------------------------------------------------------------- link shapes

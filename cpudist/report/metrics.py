@@ -255,20 +255,32 @@ EVAL_FILE = "eval.json"  # OUTPUT/eval.json: `cpudist eval --task` results, one 
 
 
 def read_eval(path: Path) -> dict[str, TaskEvalResult]:
-    """eval.json's tasks (task name -> result); {} when there is none or it is unreadable."""
+    """eval.json's tasks (task name -> result); {} when there is none yet. A file that cannot be
+    read, or is not an eval.json, is a UserError: writing over it would lose its results."""
     try:
-        tasks = json.loads(path.read_text()).get("tasks", {})
-    except (OSError, ValueError, AttributeError):
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
         return {}
-    if not isinstance(tasks, dict):
-        return {}
-    return {name: TaskEvalResult.from_json(result) for name, result in tasks.items()
-            if isinstance(result, dict)}
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UserError(f"{path}: cannot read earlier eval results ({why}); fix or move it") from None
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg}), so its earlier eval "
+                        "results cannot be kept; fix or move it") from None
+    tasks = loaded.get("tasks") if isinstance(loaded, dict) else None
+    if not isinstance(tasks, dict) or not all(isinstance(t, dict) for t in tasks.values()):
+        raise UserError(f"{path}: no 'tasks' object, so not cpudist's eval results; fix or move it")
+    return {name: TaskEvalResult.from_json(result) for name, result in tasks.items()}
 
 
 def write_eval(path: Path, result: TaskEvalResult) -> None:
     """Add (or replace) one task's result in eval.json, keeping the other tasks'."""
-    tasks = read_eval(path)
+    try:
+        tasks = read_eval(path)
+    except UserError as exc:
+        raise UserError(f"{exc}, or pass --out FILE to write these results elsewhere") from None
     tasks[result.task] = result
     try:
         write_text(path, json.dumps({"tasks": {name: task.to_json() for name, task in tasks.items()}},

@@ -229,13 +229,22 @@ def _routable_address() -> str:
     return "127.0.0.1"
 
 
+def _env_port() -> int | None:
+    """MASTER_PORT from the environment (None when unset or empty)."""
+    text = os.environ.get("MASTER_PORT", "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise UserError(f"environment variable MASTER_PORT={text!r} is not a TCP port: set it to "
+                        "a free port between 1 and 65535, or unset it (MPI launches pick one)")
+    return int(text)
+
+
 def rendezvous(placement: Placement, master_addr: str | None, master_port: int | None,
                interface: str | None) -> tuple[str, int]:
     """Address and port of rank 0's TCP store, agreed by all ranks."""
-    env_addr = os.environ.get("MASTER_ADDR")
-    env_port = os.environ.get("MASTER_PORT")
-    addr = master_addr or env_addr
-    port = master_port or (int(env_port) if env_port else None)
+    addr = master_addr or os.environ.get("MASTER_ADDR")
+    port = master_port or _env_port()
     if addr and port:
         return addr, port
     if not placement.uses_mpi:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from pathlib import Path
 
 import datasets
+import pyarrow.parquet
 import pytest
 from transformers import AutoTokenizer
 
@@ -144,6 +147,50 @@ def test_a_directory_that_is_not_a_saved_dataset(tokenizer, tmp_path: Path) -> N
     (tmp_path / "folder" / "notes.txt").write_text("hello")
     with pytest.raises(UserError, match="not a saved datasets directory"):
         load_tokenized(tmp_path / "folder", tokenizer, DataConfig(cache_dir=str(tmp_path / "c")))
+
+
+def _cut_short(data: bytes) -> bytes:
+    return data[: len(data) // 2]  # as a copy interrupted half-way
+
+
+def _corrupt_pages(data: bytes) -> bytes:
+    # A third of the way into ~20 kB of column pages: the footer stays whole, so only reading
+    # the compressed pages finds the damage.
+    middle = len(data) // 3
+    return data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 400]) + data[middle + 400:]
+
+
+def _incompressible_rows() -> list[dict]:
+    """Chat rows of hex digests: the pages stay large after compression."""
+    def text(n: int) -> str:
+        return hashlib.sha256(str(n).encode()).hexdigest() * 8
+
+    return [{"messages": [{"role": "user", "content": text(i)},
+                          {"role": "assistant", "content": text(-i)}]} for i in range(100)]
+
+
+@pytest.mark.parametrize("damage", [_cut_short, _corrupt_pages, lambda _: b"id,text\n1,hello\n"],
+                         ids=["cut-short", "corrupt-pages", "csv-named-parquet"])
+def test_a_damaged_parquet_file_is_one_line_naming_it(damage, tokenizer,  # noqa: ANN001
+                                                      tmp_path: Path) -> None:
+    path = _parquet(tmp_path / "chat.parquet", _incompressible_rows())
+    path.write_bytes(damage(path.read_bytes()))
+    if damage is _corrupt_pages:
+        assert pyarrow.parquet.read_metadata(path).num_rows == 100  # the footer is whole
+    said: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = said.append  # type: ignore[method-assign]
+    logging.getLogger("datasets").addHandler(handler)
+    try:
+        with pytest.raises(UserError) as info:
+            load_tokenized(path, tokenizer, DataConfig(cache_dir=str(tmp_path / "cache")))
+    finally:
+        logging.getLogger("datasets").removeHandler(handler)
+    message = str(info.value)
+    assert message.startswith(f"{path}: not a readable parquet file (") and "\n" not in message
+    assert message.endswith("); copy or export it again")
+    # The one line is all the user sees: datasets logs no error of its own beside it.
+    assert not [r for r in said if r.levelno >= logging.WARNING], [r.getMessage() for r in said]
 
 
 def test_json_that_is_not_a_list(tokenizer, tmp_path: Path) -> None:  # noqa: ANN001

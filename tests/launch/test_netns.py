@@ -42,6 +42,26 @@ def test_a_bad_link_names_the_part(text: str, part: str) -> None:
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.netns
+def test_root_without_the_right_to_make_namespaces_is_one_line() -> None:
+    """Root in a container without CAP_SYS_ADMIN (here: dropped from the bounding set) cannot
+    make namespaces: check_can_run says so at once, and so the netns tests skip there."""
+    if os.geteuid() != 0:
+        pytest.skip("not root: check_can_run stops at 'needs root' already")
+    for tool in ("setpriv", "ip", "unshare"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"'{tool}' not found")
+    done = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin",
+                           sys.executable, "-m", "cpudist.cli", "fake-cluster", "down",
+                           "--prefix", f"cpdcap{os.getpid()}n"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: cannot create network namespaces here (")
+    assert line.endswith("run as root on the host, or in a container with CAP_SYS_ADMIN "
+                         "(docker run --privileged)")
+
+
 def _need_netns() -> None:
     try:
         netns.check_can_run()

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from cpudist.records import EvalRecord, RestartEvent
+from cpudist.errors import UserError
+from cpudist.records import EvalRecord, RestartEvent, TaskEvalResult
 from cpudist.report import metrics as report
 from cpudist.report.metrics import MetricsLog, append_event
 from tests.helpers import REPO
@@ -233,3 +234,50 @@ def test_append_event_to_a_new_or_unterminated_file(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes() + b"x" * 70000)  # a long last line without its newline
     append_event(path, restart(2))
     assert lines(path) == [restart(1).to_json(), restart(2).to_json()]
+
+
+# --------------------------------------------------------------------------- eval.json
+
+
+def task(name: str, acc: float) -> TaskEvalResult:
+    return TaskEvalResult(name, f"{name}.jsonl", "multiple_choice", 4, "chat template", "base",
+                          "adapter", "float32", {"acc": 0.25}, {"acc": acc})
+
+
+def test_eval_results_join_the_earlier_ones(tmp_path: Path) -> None:
+    path = tmp_path / "run" / report.EVAL_FILE
+    assert report.read_eval(path) == {}  # no results yet
+    path.parent.mkdir()
+    report.write_eval(path, task("mc", 0.5))
+    report.write_eval(path, task("gen", 0.25))
+    report.write_eval(path, task("mc", 0.75))
+    assert report.read_eval(path) == {"mc": task("mc", 0.75), "gen": task("gen", 0.25)}
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (b'{"tasks": {"mc": {"after": 0.5}}', ":1: malformed JSON (Expecting ',' delimiter)"),
+    (b'[{"mc": 0.5}]', ": no 'tasks' object, so not cpudist's eval results"),
+    (b'{"tasks": ["mc"]}', ": no 'tasks' object, so not cpudist's eval results"),
+    (b'{"tasks": {"caf\xe9": 1}}', ": cannot read earlier eval results ('utf-8' codec can't"),
+])
+def test_an_unreadable_eval_json_is_refused_not_overwritten(content: bytes, why: str,
+                                                            tmp_path: Path) -> None:
+    path = tmp_path / report.EVAL_FILE
+    path.write_bytes(content)
+    with pytest.raises(UserError) as info:
+        report.read_eval(path)
+    assert str(info.value).startswith(f"{path}{why}") and str(info.value).endswith("fix or move it")
+    with pytest.raises(UserError) as info:
+        report.write_eval(path, task("mc", 0.75))
+    message = str(info.value)
+    assert message.startswith(f"{path}{why}") and "\n" not in message
+    assert message.endswith("fix or move it, or pass --out FILE to write these results elsewhere")
+    assert path.read_bytes() == content  # the earlier results are still there
+
+
+def test_an_eval_json_that_cannot_be_opened_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / report.EVAL_FILE
+    path.mkdir()  # a directory where the file should be: open fails, but not as "missing"
+    with pytest.raises(UserError, match=f"{path}: cannot read earlier eval results \\(Is a "
+                                        "directory\\); fix or move it, or pass --out FILE"):
+        report.write_eval(path, task("mc", 0.75))

@@ -138,3 +138,22 @@ def test_empty_world_size_is_a_user_error() -> None:
 
     with pytest.raises(UserError, match="rank or world size"):
         detect_placement({"PMI_RANK": "0", "PMI_SIZE": ""})
+
+
+@pytest.mark.parametrize("port", ["29500x", "-1", "0", "70000", "29 500"])
+def test_a_master_port_that_is_not_a_port_is_one_line(port: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from cpudist.runtime.cluster import rendezvous
+
+    torchrun = Placement(0, 2, 0, 2, "torchrun")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", port)
+    with pytest.raises(UserError) as info:
+        rendezvous(torchrun, None, None, None)
+    assert str(info.value) == (f"environment variable MASTER_PORT={port!r} is not a TCP port: set "
+                               "it to a free port between 1 and 65535, or unset it (MPI launches "
+                               "pick one)")
+    # dist.master_port, when set, is the one used.
+    assert rendezvous(torchrun, None, 29501, None) == ("127.0.0.1", 29501)
+    monkeypatch.setenv("MASTER_PORT", " 29500 ")
+    assert rendezvous(torchrun, None, None, None) == ("127.0.0.1", 29500)

@@ -5,19 +5,31 @@ compiles only big models on long runs where a compiler is present (decide_compil
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 
 from cpudist.config import Config
 from cpudist.errors import UserError
-from cpudist.train.engine import COMPILE_MIN_HIDDEN, COMPILE_MIN_STEPS, decide_compile
+from cpudist.train.engine import (
+    COMPILE_MIN_HIDDEN,
+    COMPILE_MIN_STEPS,
+    compiler_problem,
+    decide_compile,
+)
 from tests.helpers import cpudist_cmd, make_tiny_model, run, step_losses, tiny_overrides
 
-needs_compiler = pytest.mark.skipif(
-    shutil.which("g++") is None and shutil.which("c++") is None,
-    reason="torch.compile's CPU backend needs a C++ compiler (apt-get install g++)")
+
+@pytest.fixture
+def inductor_can_build() -> None:
+    """Skips, with the reason, where Inductor's CPU backend cannot build its kernels: no C++
+    compiler, or no Python headers (Python.h) to build them against."""
+    problem = compiler_problem()
+    if problem:
+        pytest.skip(f"torch.compile's CPU backend cannot build here: {problem}")
+
+
+needs_compiler = pytest.mark.usefixtures("inductor_can_build")
 
 
 @pytest.mark.slow

@@ -70,11 +70,21 @@ def test_eager_attention_counts_its_score_matrices(tiny_gemma2: Path, tiny_qwen:
     assert scores("model.gradient_checkpointing=true") == 8 * 4 * 4 * 256**2 * 2
 
 
-def test_node_memory_is_the_smallest_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_node_memory_is_the_smallest_limit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("SLURM_MEM_PER_NODE", "SLURM_MEM_PER_CPU"):
+        monkeypatch.delenv(name, raising=False)
     total, source = memory.node_memory_gb()
-    assert total > 0 and source in ("MemTotal", "psutil") or source.startswith("cgroup")
-    monkeypatch.setenv("SLURM_MEM_PER_NODE", "2048")
-    assert memory.node_memory_gb() == (2.0, "Slurm memory per node")
+    assert total > 0 and (source in ("MemTotal", "psutil") or source.startswith("cgroup limit "))
+    # "max" is no limit; a cgroup limit below the machine's memory is the node's.
+    limit = tmp_path / "memory.max"
+    limit.write_text("max\n")
+    monkeypatch.setattr(memory, "CGROUP_LIMITS", (tmp_path / "absent", limit))
+    machine, where = memory.node_memory_gb()
+    assert where in ("MemTotal", "psutil") and machine >= total
+    limit.write_text(f"{1 << 28}\n")
+    assert memory.node_memory_gb() == (0.25, f"cgroup limit {limit}")
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", "128")
+    assert memory.node_memory_gb() == (0.125, "Slurm memory per node")
 
 
 def test_a_plan_that_does_not_fit_says_what_would(tiny_qwen: Path,
