@@ -9,9 +9,8 @@ from typing import Any
 
 from cpudist.bench.options import DATA_KINDS, BenchArgs
 from cpudist.bench.presets import PRESETS
-from cpudist.commands.common import add_settings, split_settings
+from cpudist.commands.common import add_settings, non_negative_int, positive_int, split_settings
 from cpudist.config import Config
-from cpudist.errors import UserError
 from cpudist.records import BenchResult
 from cpudist.runtime.allocator import CHOICES as ALLOCATORS
 
@@ -26,16 +25,16 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     add_settings(parser)
     parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="random-weight model of this architecture (smollm2-135m: the real one)")
-    parser.add_argument("--layers", type=int, help="keep only the first N decoder layers")
+    parser.add_argument("--layers", type=positive_int, help="keep only the first N decoder layers")
     parser.add_argument("--data", default="synthetic", choices=DATA_KINDS,
                         help="synthetic: full-length rows, all labels; instruct: data.path with "
                              "real lengths and prompt masking (default chatterbot:english)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed first steps (default 1)")
-    parser.add_argument("--batch-size", type=int, help="train.batch_size")
-    parser.add_argument("--seq-len", type=int, help="data.max_length (synthetic row length)")
+    parser.add_argument("--steps", type=positive_int, default=3, help="timed steps (default 3)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed first steps (default 1)")
+    parser.add_argument("--batch-size", type=positive_int, help="train.batch_size")
+    parser.add_argument("--seq-len", type=positive_int, help="data.max_length (synthetic row length)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="model.dtype")
-    parser.add_argument("--threads", type=int, help="dist.threads_per_rank")
+    parser.add_argument("--threads", type=positive_int, help="dist.threads_per_rank")
     parser.add_argument("--allocator", choices=ALLOCATORS,
                         help="malloc of cpudist's benchmark processes (default: CPUDIST_ALLOCATOR, "
                              "else auto = mimalloc, which ships with cpudist); --hf-allocator sets HF's")
@@ -50,12 +49,6 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
 def bench_args(ns: argparse.Namespace) -> tuple[str | None, list[str], BenchArgs]:
     """(config file, overrides, BenchArgs) of parsed bench flags, checked."""
     config_path, overrides = split_settings(ns.settings)
-    for name in ("steps", "batch_size", "seq_len", "threads"):
-        value = getattr(ns, name)
-        if value is not None and value < 1:
-            raise UserError(f"--{name.replace('_', '-')} {value}: must be at least 1")
-    if ns.warmup < 0:
-        raise UserError(f"--warmup {ns.warmup}: must be 0 or more")
     return config_path, overrides, BenchArgs(ns.preset, ns.layers, ns.data, ns.steps, ns.warmup,
                                              ns.batch_size, ns.seq_len, ns.dtype, ns.threads,
                                              ns.profile)
@@ -65,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_bench_flags(parser)
     parser.add_argument("--vs", choices=["hf"], help="also run Hugging Face Trainer + PEFT on the "
                         "same model, data and settings (separate processes) and print ratios")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=positive_int, default=1,
                         help="run this many times (each in its own process) and report every "
                              "run's MFU and tokens/s with their spread; with --vs, alternate "
                              "cpudist and HF and keep the best of each")
@@ -79,8 +72,6 @@ def run(ns: argparse.Namespace) -> int:
     from cpudist.bench.options import bench_config
 
     config_path, overrides, args = bench_args(ns)
-    if ns.rounds < 1:
-        raise UserError(f"--rounds {ns.rounds}: must be at least 1")
     config = bench_config(config_path, overrides, args)
     if ns.vs:
         return _run_vs(ns, config, args)

@@ -45,7 +45,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, adapter_required: bool 
 def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=["none", "int8", "int4"],
                         help="model.quantize of the base (default: the adapter's run, else none)")
-    parser.add_argument("--quantize-group", type=int, metavar="N",
+    parser.add_argument("--quantize-group", type=positive_int, metavar="N",
                         help="model.quantize_group (default: the adapter's run, else 64)")
 
 

@@ -7,6 +7,7 @@ import importlib.metadata
 import importlib.util
 import platform
 
+from cpudist.commands.common import positive_int
 from cpudist.errors import UserError
 
 HELP = "show CPU features, chosen dtype, threads, malloc, versions"
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print instead the environment of a rank bound to its own cores, as "
                              "`export` lines (what cpudist launch gives each rank; for batch "
                              "files that start ranks themselves, e.g. with srun)")
-    parser.add_argument("--threads-per-rank", type=int, metavar="N",
+    parser.add_argument("--threads-per-rank", type=positive_int, metavar="N",
                         help="with --shell: the rank's threads (default: this machine's physical "
                              "cores)")
     parser.add_argument("--allocator", choices=CHOICES, help="with --shell: the malloc to preload "

@@ -92,7 +92,7 @@ def _run_task(args: argparse.Namespace) -> int:
     from cpudist.infer.session import open_session
     from cpudist.infer.tasks import evaluate_task
     from cpudist.records import TaskEvalResult
-    from cpudist.report.metrics import EVAL_FILE, write_eval
+    from cpudist.report.metrics import EVAL_FILE, read_eval, write_eval
     from cpudist.runtime.process import start_process
     from cpudist.train.output import run_dir_of
 
@@ -101,6 +101,8 @@ def _run_task(args: argparse.Namespace) -> int:
     system = chosen.settings["data.system_prompt"]
     run_dir = run_dir_of(chosen.adapter) if chosen.adapter else None
     target = Path(args.out) if args.out else (run_dir / EVAL_FILE if run_dir else None)
+    if target is not None:
+        read_eval(target)  # earlier results that could not be kept stop it before the slow part
     with start_process(DistConfig()) as process:
         session = open_session(Config(model=chosen.model), process, chosen.adapter)
         scores = evaluate_task(session, task, system, args.max_new_tokens)
