@@ -320,6 +320,23 @@ def cli_in_process(capsys: pytest.CaptureFixture[str], args: list) -> subprocess
     return subprocess.CompletedProcess(["cpudist", *argv], code, out, err)
 
 
+def signal_after(monkeypatch: pytest.MonkeyPatch, steps: int, sig: int = signal.SIGTERM) -> None:
+    """This process gets `sig` once an in-process run has logged `steps` steps: between two steps,
+    where a signal from outside lands in a real run (start_and_signal sends a real one to a real
+    process, for the tests where that boundary is the point)."""
+    from cpudist.records import StepRecord
+    from cpudist.report.metrics import MetricsLog
+
+    write = MetricsLog.write
+
+    def write_then_signal(self: MetricsLog, record: Any) -> None:
+        write(self, record)
+        if isinstance(record, StepRecord) and record.step == steps:
+            os.kill(os.getpid(), sig)
+
+    monkeypatch.setattr(MetricsLog, "write", write_then_signal)
+
+
 # --------------------------------------------------------------------------- a run's metrics
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,10 +97,12 @@ def save_final_adapter(model: Any, target: Path, record: dict[str, Any] | None =
                         f"in the newest checkpoint under {target.parent / 'checkpoints'}") from exc
 
 
-def resume_command() -> str:
-    """This process's command line as `cpudist ...` with train.resume=auto."""
-    args = [a for a in sys.argv[1:] if not a.startswith("train.resume=")]
-    return " ".join(shlex.quote(a) for a in ["cpudist", *args, "train.resume=auto"])
+def resume_command(out: Path) -> str:
+    """The command that continues the run in `out`: its own config.yaml (the settings as given,
+    overrides included) plus train.resume=auto. It does not depend on how the run was started
+    (a command line, a script using the Python API, a launcher)."""
+    return " ".join(shlex.quote(a) for a in ["cpudist", "train", str(out / "config.yaml"),
+                                             "train.resume=auto"])
 
 
 def print_outcome(summary: RunSummary, objective: Objective) -> None:

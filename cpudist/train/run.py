@@ -281,10 +281,11 @@ def finish(run: Run) -> RunSummary | None:
     run.progress.close()
     engine, state = run.engine, run.state
     if run.stopped_by is not None:
-        log.info("stopped by signal %d (%s) after step %d; checkpoint saved in %s. Resume with the "
-                 "same launch command (same number of ranks) plus train.resume=auto:\n  %s",
+        log.info("stopped by signal %d (%s) after step %d; checkpoint saved in %s. Resume it "
+                 "(under the same launcher; another number of ranks keeps the global batch) "
+                 "with:\n  %s",
                  run.stopped_by, signal.Signals(run.stopped_by).name, state.step,
-                 run.out / "checkpoints", resume_command())
+                 run.out / "checkpoints", resume_command(run.out))
         return None
     wall = run.clock.elapsed()
     if run.last_saved != state.step:

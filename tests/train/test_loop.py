@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from cpudist.config import load_config
 from cpudist.train import engine
 from cpudist.train.run import train
-from tests.helpers import cpudist_cmd, run, tiny_overrides
+from tests.helpers import cli_in_process, process_state_kept, tiny_overrides
 
 
 def _spy_on_model(monkeypatch: pytest.MonkeyPatch) -> dict:
@@ -37,7 +37,8 @@ def test_loss_falls_only_lora_changes_and_adapter_reloads(
     out = tmp_path / "run"
     config = load_config(None, tiny_overrides(tiny_llama, chat_file, out, train__max_steps=8,
                                               train__lr=1e-2))
-    summary = train(config)
+    with process_state_kept():
+        summary = train(config)
     assert summary is not None
 
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -64,10 +65,11 @@ def test_loss_falls_only_lora_changes_and_adapter_reloads(
 # Gemma 2: eager attention (it has no sdpa path) and soft-capped logits in the chunked head.
 @pytest.mark.parametrize("fixture", ["tiny_qwen", "tiny_gemma2"])
 def test_cli_run_writes_the_documented_outputs(fixture: str, request: pytest.FixtureRequest,
-                                               chat_file: Path, tmp_path: Path) -> None:
+                                               chat_file: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
-    result = run([*cpudist_cmd(), "train", *tiny_overrides(request.getfixturevalue(fixture),
-                                                           chat_file, out, train__save_every=2)])
+    result = cli_in_process(capsys, ["train", *tiny_overrides(request.getfixturevalue(fixture),
+                                                              chat_file, out, train__save_every=2)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "validation loss: before" in result.stdout
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "adapter/adapter_config.json",
@@ -90,20 +92,22 @@ def test_activation_checkpointing_gives_the_same_losses(tiny_llama: Path, chat_f
         out = tmp_path / f"ckpt-{flag}"
         config = load_config(None, tiny_overrides(tiny_llama, chat_file, out,
                                                   model__gradient_checkpointing=flag))
-        train(config)
+        with process_state_kept():
+            train(config)
         records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         losses.append([r["loss"] for r in records if "loss" in r])
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-5, atol=1e-6)
 
 
-def test_global_batch_trains_alike_whatever_the_micro_batch(tiny_llama: Path, chat_file: Path,
-                                                           tmp_path: Path) -> None:
+def test_global_batch_trains_alike_whatever_the_micro_batch(
+        tiny_llama: Path, chat_file: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """train.global_batch=8 as 2 x 4 rows (batch_size=auto) or 4 x 2 rows (batch_size=2): the same
     losses, since a step's loss is the mean over every label token of its global batch."""
     losses, outs = [], []
     for batch in ("auto", 2):
         out = tmp_path / f"batch-{batch}"
-        done = run([*cpudist_cmd(), "train", *tiny_overrides(
+        done = cli_in_process(capsys, ["train", *tiny_overrides(
             tiny_llama, chat_file, out, train__batch_size=batch, train__global_batch=8)])
         assert done.returncode == 0, done.stderr[-3000:]
         micro, accum = (4, 2) if batch == "auto" else (2, 4)
@@ -116,12 +120,12 @@ def test_global_batch_trains_alike_whatever_the_micro_batch(tiny_llama: Path, ch
     assert json.loads((outs[0] / "summary.json").read_text())["global_batch"] == 8
 
 
-def test_training_with_packing_matches_padding(tiny_qwen: Path, chat_file: Path,
-                                               tmp_path: Path) -> None:
+def test_training_with_packing_matches_padding(tiny_qwen: Path, chat_file: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
     losses = {}
     for packing in (False, True):
         out = tmp_path / f"packing-{packing}"
-        result = run([*cpudist_cmd(), "train", *tiny_overrides(
+        result = cli_in_process(capsys, ["train", *tiny_overrides(
             tiny_qwen, chat_file, out, data__packing=packing, train__max_steps=2,
             data__group_by_length=False, train__eval_batches=1)])
         assert result.returncode == 0, result.stderr[-2000:]

@@ -1,5 +1,8 @@
 """Exact resume: a run stopped by a signal and continued with train.resume=auto gives the same
-per-step losses, bit for bit, as a run that was never interrupted (fp32, same machine)."""
+per-step losses, bit for bit, as a run that was never interrupted (fp32, same machine).
+
+Single-process runs train in this process, signalled between two steps (tests.helpers.signal_after);
+under mpirun the signal comes from outside, at whatever moment it lands."""
 
 from __future__ import annotations
 
@@ -10,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    cli_in_process,
     cpudist_cmd,
     metric_records,
     mpirun_cmd,
     run,
+    signal_after,
     start_and_signal,
     step_losses,
     stopped_step,
@@ -38,25 +43,31 @@ def assert_same_run(reference: Path, resumed: Path, stopped_at: int) -> None:
     assert summary["steps"] == STEPS
 
 
-def test_single_process_resume_is_exact(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
+def test_single_process_resume_is_exact(tiny_llama: Path, chat_file: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     settings = {"train__max_steps": STEPS, "lora__dropout": 0.1}  # dropout: the RNG must resume too
     reference = tmp_path / "reference"
-    done = run([*cpudist_cmd(), "train", *tiny_overrides(tiny_llama, chat_file, reference, **settings)])
+    done = cli_in_process(capsys, ["train", *tiny_overrides(tiny_llama, chat_file, reference,
+                                                            **settings)])
     assert done.returncode == 0, done.stderr[-3000:]
 
     out = tmp_path / "interrupted"
-    cmd = [*cpudist_cmd(), "train", *tiny_overrides(tiny_llama, chat_file, out, **settings)]
-    stopped = start_and_signal(cmd, out, signal.SIGTERM)
+    args = ["train", *tiny_overrides(tiny_llama, chat_file, out, **settings)]
+    with monkeypatch.context() as patch:
+        signal_after(patch, 3)
+        stopped = cli_in_process(capsys, args)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     at = stopped_step(stopped.stdout)
+    assert at == 3
     assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step-{at}"]
     # Nothing a loader would have to unpickle: tensors in safetensors, the rest JSON/YAML/text.
     files = [p for p in (out / "checkpoints").rglob("*") if p.is_file()]
     assert {p.suffix for p in files} <= {".safetensors", ".json", ".yaml", ".md"}, files
-    assert "Resume with the same launch command" in stopped.stdout
-    assert "cpudist train " in stopped.stdout and "train.resume=auto" in stopped.stdout
+    assert (f"Resume it (under the same launcher; another number of ranks keeps the global "
+            f"batch) with:\n  cpudist train {out / 'config.yaml'} train.resume=auto") in stopped.stdout
 
-    resumed = run([*cmd, "train.resume=auto"])
+    resumed = cli_in_process(capsys, [*args, "train.resume=auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / f'step-{at}'} at step {at}" in resumed.stdout
     assert_same_run(reference, out, at)
@@ -156,19 +167,22 @@ def adapter_difference(run: Path, reference: Path) -> float:
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
-        tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
+        tiny_llama: Path, chat_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """One byte flipped inside the newest checkpoint's largest file (the tensors still load: only
     the manifest notices): resume moves it aside, continues from the one before, and ends where
     an uninterrupted run ends, bit for bit."""
     settings = {"train__max_steps": STEPS, "train__save_every": 3}
     reference = tmp_path / "reference"
-    done = run([*cpudist_cmd(), "train", *tiny_overrides(tiny_llama, chat_file, reference,
-                                                         **settings)])
+    done = cli_in_process(capsys, ["train", *tiny_overrides(tiny_llama, chat_file, reference,
+                                                            **settings)])
     assert done.returncode == 0, done.stderr[-3000:]
 
     out = tmp_path / "damaged"
-    cmd = [*cpudist_cmd(), "train", *tiny_overrides(tiny_llama, chat_file, out, **settings)]
-    stopped = start_and_signal(cmd, out, signal.SIGTERM, after_steps=7)
+    args = ["train", *tiny_overrides(tiny_llama, chat_file, out, **settings)]
+    with monkeypatch.context() as patch:
+        signal_after(patch, 7)
+        stopped = cli_in_process(capsys, args)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     at = stopped_step(stopped.stdout)
     saved = sorted((out / "checkpoints").iterdir(), key=lambda p: int(p.name.split("-")[1]))
@@ -179,7 +193,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     data[len(data) // 2] ^= 0x01
     largest.write_bytes(bytes(data))
 
-    resumed = run([*cmd, "train.resume=auto"])
+    resumed = cli_in_process(capsys, [*args, "train.resume=auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     name = largest.relative_to(newest).as_posix()
     assert f"{newest} is damaged ({name} does not match its SHA-256" in resumed.stdout
