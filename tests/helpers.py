@@ -320,6 +320,15 @@ def cli_in_process(capsys: pytest.CaptureFixture[str], args: list) -> subprocess
     return subprocess.CompletedProcess(["cpudist", *argv], code, out, err)
 
 
+def cpudist_in_process(args: list) -> int:
+    """`cpudist ARGS` in this process, for fixtures, which have no capsys: its output goes to
+    pytest's own capture; returns the exit code."""
+    from cpudist.cli import main
+
+    with process_state_kept():
+        return main([str(a) for a in args])
+
+
 def signal_after(monkeypatch: pytest.MonkeyPatch, steps: int, sig: int = signal.SIGTERM) -> None:
     """This process gets `sig` once an in-process run has logged `steps` steps: between two steps,
     where a signal from outside lands in a real run (start_and_signal sends a real one to a real

@@ -93,21 +93,10 @@ def launch(np: int, program: Sequence[str], *, hostfile: str | None = None,
             _say(f"the job failed ({reason}); no restart left of --restarts {restarts.limit}")
             return code
         if hostfile:
-            try:
-                slots = hostfile_slots(hostfile)
-            except UserError as exc:
-                _say(f"the job failed ({reason}); not restarted: {exc}")
+            ranks = _ranks_left(hostfile, np, first_slots, restarts.min_np, reason)
+            if ranks is None:
                 return code
-            fewer = shrunk_np(np, first_slots, slots)
-            if fewer < np:
-                if fewer < restarts.min_np:
-                    _say(f"the job failed ({reason}); not restarted: {hostfile} now has "
-                         f"{slots} slot(s) of {first_slots}, room for {fewer} rank(s), fewer "
-                         f"than --min-np {restarts.min_np}")
-                    return code
-                _say(f"{hostfile} now has {slots} slot(s) of {first_slots}: restarting on "
-                     f"{fewer} rank(s)")
-                np = fewer
+            np = ranks
         attempt += 1
         _say(f"the job failed ({reason}); restart {attempt} of {restarts.limit} in "
              f"{restarts.delay_s:g} s, from the newest complete checkpoint")
@@ -116,6 +105,24 @@ def launch(np: int, program: Sequence[str], *, hostfile: str | None = None,
             return code
         restarts.record(attempt, reason)
         program = restarts.program
+
+
+def _ranks_left(hostfile: str, np: int, first_slots: int, min_np: int, reason: str) -> int | None:
+    """The ranks a restart runs on, from the hostfile read again (hosts taken out meanwhile
+    shrink the job); None, said why, when it cannot restart."""
+    try:
+        slots = hostfile_slots(hostfile)
+    except UserError as exc:
+        _say(f"the job failed ({reason}); not restarted: {exc}")
+        return None
+    fewer = shrunk_np(np, first_slots, slots)
+    if fewer < np:
+        if fewer < min_np:
+            _say(f"the job failed ({reason}); not restarted: {hostfile} now has {slots} slot(s) "
+                 f"of {first_slots}, room for {fewer} rank(s), fewer than --min-np {min_np}")
+            return None
+        _say(f"{hostfile} now has {slots} slot(s) of {first_slots}: restarting on {fewer} rank(s)")
+    return fewer
 
 
 def _say(line: str) -> None:

@@ -8,20 +8,23 @@ from pathlib import Path
 import pytest
 
 from cpudist.records import BenchResult
-from tests.helpers import bench_result, cpudist_cmd, run
+from tests.helpers import bench_result, cli_in_process, cpudist_cmd, run
 
 FIELDS = ("tokens_per_s", "label_tokens_per_s", "samples_per_s", "s_per_step", "peak_rss_gb",
           "node_pss_gb", "mfu", "dtype", "threads", "world_size", "config", "padding_fraction",
           "peak_tflops", "flop_model")
 
 
-def _bench(model: Path, tmp_path: Path, *extra: str, name: str = "bench.json"
-           ) -> tuple[dict, str]:
+def _bench(model: Path, tmp_path: Path, *extra: str, name: str = "bench.json",
+           capsys: pytest.CaptureFixture[str] | None = None) -> tuple[dict, str]:
+    """`cpudist bench` of a few tiny steps: its own process (the CLI runs itself again on its
+    malloc, the --vs peers run beside it), or this one with capsys."""
     out = tmp_path / name
     # Overrides may stand anywhere among the flags (intermixed parsing).
-    result = run([*cpudist_cmd(), "bench", f"model.path={model}", "--steps", "2",
-                  f"data.cache_dir={tmp_path / 'data-cache'}", "--warmup", "1", "--seq-len", "32",
-                  "--batch-size", "2", "--dtype", "float32", "--json", out, *extra])
+    args = ["bench", f"model.path={model}", "--steps", "2",
+            f"data.cache_dir={tmp_path / 'data-cache'}", "--warmup", "1", "--seq-len", "32",
+            "--batch-size", "2", "--dtype", "float32", "--json", out, *extra]
+    result = cli_in_process(capsys, args) if capsys else run([*cpudist_cmd(), *args])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return json.loads(out.read_text()), result.stdout
 
@@ -57,7 +60,7 @@ def test_bench_allocator_none_runs_on_glibc_malloc(tiny_qwen: Path, tmp_path: Pa
 
 
 def test_bench_instruct_masks_prompts_and_packing_removes_padding(
-        tiny_qwen: Path, tmp_path: Path) -> None:
+        tiny_qwen: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tests.helpers import write_jsonl
 
     # Answers of very different lengths: padded batches waste many positions.
@@ -67,8 +70,9 @@ def test_bench_instruct_masks_prompts_and_packing_removes_padding(
     data = write_jsonl(tmp_path / "lengths.jsonl", rows)
     args = ["--data", "instruct", f"data.path={data}", "data.group_by_length=false",
             "--batch-size", "4", "--seq-len", "160"]
-    padded, _ = _bench(tiny_qwen, tmp_path, *args, name="padded.json")
-    packed, _ = _bench(tiny_qwen, tmp_path, *args, "data.packing=true", name="packed.json")
+    padded, _ = _bench(tiny_qwen, tmp_path, *args, name="padded.json", capsys=capsys)
+    packed, _ = _bench(tiny_qwen, tmp_path, *args, "data.packing=true", name="packed.json",
+                       capsys=capsys)
     for figures in (padded, packed):
         assert 0 < figures["label_tokens_per_s"] < 0.9 * figures["tokens_per_s"]
         assert figures["data"].startswith("instruct")
@@ -119,10 +123,10 @@ def test_gemm_peak_holds_no_operands_between_probes() -> None:
     assert not [name for name, value in vars(gemm).items() if tensors(value)]
 
 
-def test_bench_user_errors(tmp_path: Path) -> None:
-    result = run([*cpudist_cmd(), "bench", "--layers", "2"])
+def test_bench_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = cli_in_process(capsys, ["bench", "--layers", "2"])
     assert result.returncode == 2 and "error: --layers needs --preset" in result.stderr
-    result = run([*cpudist_cmd(), "bench", "train.batch_sise=2"])
+    result = cli_in_process(capsys, ["bench", "train.batch_sise=2"])
     assert result.returncode == 2 and "train.batch_size" in result.stderr
 
 

@@ -4,7 +4,6 @@ model with the numbers of base + adapter, and saved so that PEFT reloads them fr
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
@@ -12,25 +11,19 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import (
-    cpudist_cmd,
-    run,
-    start_and_signal,
-    step_losses,
-    stopped_step,
-    tiny_overrides,
-)
+from tests.helpers import cli_in_process, signal_after, step_losses, stopped_step, tiny_overrides
 
-pytestmark = pytest.mark.slow
 STEPS = 6
 
 
 @pytest.mark.parametrize("method", ["use_rslora", "use_dora"])
 def test_method_trains_resumes_and_merges(method: str, tiny_llama: Path, chat_file: Path,
-                                          tmp_path: Path) -> None:
+                                          tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     settings = {f"lora__{method}": True, "train__max_steps": STEPS, "train__lr": 3e-2}
     reference = tmp_path / "reference"
-    done = run([*cpudist_cmd(), "train", *tiny_overrides(tiny_llama, chat_file, reference, **settings)])
+    done = cli_in_process(capsys, ["train", *tiny_overrides(tiny_llama, chat_file, reference,
+                                                            **settings)])
     assert done.returncode == 0, done.stderr[-3000:]
     adapter = reference / "adapter"
     saved = json.loads((adapter / "adapter_config.json").read_text())
@@ -40,18 +33,20 @@ def test_method_trains_resumes_and_merges(method: str, tiny_llama: Path, chat_fi
 
     # Stopped after 2 steps and resumed: the same losses, bit for bit.
     out = tmp_path / "interrupted"
-    cmd = [*cpudist_cmd(), "train", *tiny_overrides(tiny_llama, chat_file, out, **settings)]
-    stopped = start_and_signal(cmd, out, signal.SIGTERM)
+    args = ["train", *tiny_overrides(tiny_llama, chat_file, out, **settings)]
+    with monkeypatch.context() as patch:
+        signal_after(patch, 2)
+        stopped = cli_in_process(capsys, args)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
-    assert 0 < stopped_step(stopped.stdout) < STEPS
-    resumed = run([*cmd, "train.resume=auto"])
+    assert stopped_step(stopped.stdout) == 2
+    resumed = cli_in_process(capsys, [*args, "train.resume=auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert step_losses(out) == step_losses(reference)
 
     # Merged: a plain model with base + adapter's numbers, and the adapter really moved them.
     merged_dir = tmp_path / "merged"
-    done = run([*cpudist_cmd(), "merge", "--base", tiny_llama, "--adapter", adapter,
-                "--out", merged_dir])
+    done = cli_in_process(capsys, ["merge", "--base", tiny_llama, "--adapter", adapter,
+                                   "--out", merged_dir])
     assert done.returncode == 0, done.stderr[-3000:]
     ids = torch.randint(0, 2000, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -64,9 +59,9 @@ def test_method_trains_resumes_and_merges(method: str, tiny_llama: Path, chat_fi
     assert (adapted - base_logits).abs().max() > 1e-3
 
 
-def test_dora_on_a_quantized_base_is_refused(tiny_llama: Path, chat_file: Path,
-                                             tmp_path: Path) -> None:
-    done = run([*cpudist_cmd(), "train", *tiny_overrides(
+def test_dora_on_a_quantized_base_is_refused(tiny_llama: Path, chat_file: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    done = cli_in_process(capsys, ["train", *tiny_overrides(
         tiny_llama, chat_file, tmp_path / "run", lora__use_dora=True, model__quantize="int8",
         model__cache_dir=tmp_path / "models")])
     assert done.returncode == 2

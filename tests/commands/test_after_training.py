@@ -22,7 +22,13 @@ from cpudist.infer.generate import generate, prompt_ids
 from cpudist.infer.session import Session, open_session
 from cpudist.objectives.sft import SFT
 from cpudist.runtime.process import start_process
-from tests.helpers import CHAT_ROWS, cpudist_cmd, run, tiny_overrides, write_jsonl
+from tests.helpers import (
+    CHAT_ROWS,
+    cli_in_process,
+    process_state_kept,
+    tiny_overrides,
+    write_jsonl,
+)
 
 STEPS = 16
 VAL_ROWS = CHAT_ROWS[:5]
@@ -42,8 +48,8 @@ def trained(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = root / "run"
     overrides = tiny_overrides(tiny_llama, train_file, out, data__val_path=val_file,
                                train__max_steps=STEPS, train__lr=3e-2, train__eval_batches="null")
-    result = run([*cpudist_cmd(), "train", *overrides])
-    assert result.returncode == 0, result.stderr[-3000:]
+    with process_state_kept():
+        assert main(["train", *map(str, overrides)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     return {"base": tiny_llama, "out": out, "val": val_file, "summary": summary,
             "overrides": overrides}
@@ -58,7 +64,7 @@ def _session(base: Path, adapter: Path | None = None, data: Path | None = None,
                                     cache_dir=str(Path(data).parent / "data-cache") if data
                                     else ".cache/data"),
                     train=TrainConfig(batch_size=batch_size))
-    with start_process(DistConfig()) as process:
+    with process_state_kept(), start_process(DistConfig()) as process:
         return open_session(config, process, str(adapter) if adapter else None)
 
 
@@ -108,11 +114,11 @@ def test_saved_adapter_reloads_with_plain_peft_to_the_trained_weights(trained: d
 
 
 def test_merged_model_loads_without_peft_and_matches_base_plus_adapter(
-        trained: dict, tmp_path: Path) -> None:
+        trained: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from peft import PeftModel
 
     merged_dir = tmp_path / "merged"
-    result = run([*cpudist_cmd(), "merge", "--base", trained["base"], "--adapter",
+    result = cli_in_process(capsys, ["merge", "--base", trained["base"], "--adapter",
                   trained["out"] / "adapter", "--out", merged_dir])
     assert result.returncode == 0, result.stderr[-3000:]
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
@@ -142,11 +148,11 @@ def test_merged_model_loads_without_peft_and_matches_base_plus_adapter(
     assert as_base.loss == pytest.approx(trained["summary"]["val_loss_after"], rel=1e-4)
 
     # Writing over it needs --force.
-    assert main(["merge", "--base", str(trained["base"]), "--adapter",
-                 str(trained["out"] / "adapter"), "--out", str(merged_dir)]) == 2
-    assert main(["merge", "--base", str(trained["base"]), "--adapter",
-                 str(trained["out"] / "adapter"), "--out", str(merged_dir), "--force",
-                 "--dtype", "bfloat16"]) == 0
+    assert cli_in_process(capsys, ["merge", "--base", trained["base"], "--adapter",
+                                   trained["out"] / "adapter", "--out", merged_dir]).returncode == 2
+    assert cli_in_process(capsys, ["merge", "--base", trained["base"], "--adapter",
+                                   trained["out"] / "adapter", "--out", merged_dir, "--force",
+                                   "--dtype", "bfloat16"]).returncode == 0
     with safe_open(merged_dir / "model.safetensors", "pt") as handle:
         names = list(handle.keys())
         assert {handle.get_tensor(name).dtype for name in names} == {torch.bfloat16}
@@ -167,11 +173,12 @@ def test_merged_model_loads_without_peft_and_matches_base_plus_adapter(
     assert added > 0 and math.sqrt(error / added) < 0.01
 
 
-def test_eval_reproduces_the_trainers_validation_numbers(trained: dict) -> None:
+def test_eval_reproduces_the_trainers_validation_numbers(
+        trained: dict, capsys: pytest.CaptureFixture[str]) -> None:
     summary = trained["summary"]
     common = ["--base", trained["base"], "--data", trained["val"], "--format", "chat",
               "--max-length", "64", "--batch-size", "4", "--dtype", "float32", "--json"]
-    result = run([*cpudist_cmd(), "eval", "--adapter", trained["out"] / "adapter", *common])
+    result = cli_in_process(capsys, ["eval", "--adapter", trained["out"] / "adapter", *common])
     assert result.returncode == 0, result.stderr[-3000:]
     after = json.loads(result.stdout.strip().splitlines()[-1])
     assert after["loss"] == pytest.approx(summary["val_loss_after"], rel=1e-4)
@@ -215,13 +222,13 @@ def test_eval_takes_unset_settings_from_the_adapters_run(trained: dict,
                                                          capsys: pytest.CaptureFixture) -> None:
     # No --format/--max-length/--batch-size/--dtype: the run's config.yaml supplies them
     # (max_length 64 and float32 here, not the schema defaults 512 and auto).
-    assert main(["eval", "--base", str(trained["base"]), "--adapter", str(trained["out"] / "adapter"),
-                 "--data", str(trained["val"])]) == 0
-    captured = capsys.readouterr()
-    assert "data.max_length=64" in captured.err and "model.dtype=float32" in captured.err
-    loss = float(re.search(r"^loss (\S+)", captured.out, re.M).group(1))  # type: ignore[union-attr]
+    captured = cli_in_process(capsys, ["eval", "--base", trained["base"], "--adapter",
+                                       trained["out"] / "adapter", "--data", trained["val"]])
+    assert captured.returncode == 0, captured.stderr
+    assert "data.max_length=64" in captured.stderr and "model.dtype=float32" in captured.stderr
+    loss = float(re.search(r"^loss (\S+)", captured.stdout, re.M).group(1))  # type: ignore[union-attr]
     assert loss == pytest.approx(trained["summary"]["val_loss_after"], abs=1e-4)
-    assert "token accuracy" in captured.out and "perplexity" in captured.out
+    assert "token accuracy" in captured.stdout and "perplexity" in captured.stdout
 
 
 def test_generation_prompt_is_the_training_prompt(tokenizer_dir: Path) -> None:
@@ -257,8 +264,9 @@ def test_user_errors_are_one_line_and_name_the_culprit(
           "--out", str(tmp_path / "m")], "missing"),
     ]
     for argv, needle in cases:
-        assert main(argv) == 2, argv
-        err = capsys.readouterr().err.strip()
+        done = cli_in_process(capsys, argv)
+        assert done.returncode == 2, argv
+        err = done.stderr.strip()
         assert err.startswith("error: ") and "\n" not in err, err
         assert needle in err, (needle, err)
     assert not (tmp_path / "m").exists()
@@ -266,11 +274,11 @@ def test_user_errors_are_one_line_and_name_the_culprit(
 
 @pytest.mark.slow
 def test_generate_answers_with_smollm2_and_a_zero_adapter_changes_nothing(
-        smol_dir: Path, tmp_path: Path) -> None:
+        smol_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from cpudist.model.adapters import apply_adapter
 
     question = "What is the capital of France?"
-    plain = run([*cpudist_cmd(), "generate", "--base", smol_dir, "--max-new-tokens", "24",
+    plain = cli_in_process(capsys, ["generate", "--base", smol_dir, "--max-new-tokens", "24",
                  "--dtype", "float32", question])
     assert plain.returncode == 0, plain.stderr[-3000:]
     answer = plain.stdout.strip()
@@ -280,7 +288,7 @@ def test_generate_answers_with_smollm2_and_a_zero_adapter_changes_nothing(
     base = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
     apply_adapter(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(
         tmp_path / "adapter")
-    with_adapter = run([*cpudist_cmd(), "generate", "--base", smol_dir, "--adapter",
+    with_adapter = cli_in_process(capsys, ["generate", "--base", smol_dir, "--adapter",
                         tmp_path / "adapter", "--max-new-tokens", "24", "--dtype", "float32",
                         "--system", "You are a helpful AI assistant named SmolLM, trained by "
                         "Hugging Face", question])
@@ -293,7 +301,7 @@ def test_generate_answers_with_smollm2_and_a_zero_adapter_changes_nothing(
 
 
 def test_a_quantized_run_evaluates_and_merges_into_its_dequantized_base(
-        tiny_llama: Path, tmp_path: Path) -> None:
+        tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """eval and merge take model.quantize from the adapter's run; the merged model computes what
     the quantized base plus the adapter computes (the base dequantized, not the original)."""
     from peft import PeftModel
@@ -305,18 +313,18 @@ def test_a_quantized_run_evaluates_and_merges_into_its_dequantized_base(
     overrides = tiny_overrides(tiny_llama, train_file, out, model__quantize="int4",
                                model__quantize_group=32, model__cache_dir=tmp_path / "cache",
                                train__max_steps=6, train__lr=3e-2)
-    trained = run([*cpudist_cmd(), "train", *overrides])
+    trained = cli_in_process(capsys, ["train", *overrides])
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "decoder linears int4" in trained.stdout
     summary = json.loads((out / "summary.json").read_text())
 
-    evaluated = run([*cpudist_cmd(), "eval", "--base", tiny_llama, "--adapter", out / "adapter",
+    evaluated = cli_in_process(capsys, ["eval", "--base", tiny_llama, "--adapter", out / "adapter",
                      "--data", train_file, "--json"])
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert "model.quantize=int4" in evaluated.stderr  # taken from the run's config
 
     merged_dir = tmp_path / "merged"
-    merged = run([*cpudist_cmd(), "merge", "--base", tiny_llama, "--adapter", out / "adapter",
+    merged = cli_in_process(capsys, ["merge", "--base", tiny_llama, "--adapter", out / "adapter",
                   "--out", merged_dir])
     assert merged.returncode == 0, merged.stderr[-3000:]
     assert "model.quantize=int4" in merged.stderr

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cpudist.runtime.precision import choose_precision
-from tests.helpers import cpudist_cmd, run
+from tests.helpers import cli_in_process
 
 
-def test_env_command_reports_machine() -> None:
-    result = run([*cpudist_cmd(), "env"], timeout=120)
+def test_env_command_reports_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    result = cli_in_process(capsys, ["env"])
     assert result.returncode == 0, result.stderr
     keys = [line.split("  ")[0] for line in result.stdout.splitlines()]
     for key in ("cpu", "isa", "dtype (auto)", "threads per rank", "torch", "transformers", "peft",
@@ -26,9 +28,9 @@ def test_env_command_reports_machine() -> None:
     assert ("can build" in compile_line) == (compiler_problem() is None), compile_line
 
 
-def test_env_shell_prints_a_bound_ranks_environment() -> None:
-    result = run([*cpudist_cmd(), "env", "--shell", "--threads-per-rank", "3", "--allocator",
-                  "none"], timeout=60)
+def test_env_shell_prints_a_bound_ranks_environment(capsys: pytest.CaptureFixture[str]) -> None:
+    result = cli_in_process(capsys, ["env", "--shell", "--threads-per-rank", "3", "--allocator",
+                                     "none"])
     assert result.returncode == 0, result.stderr
     exports = dict(line.removeprefix("export ").split("=", 1) for line in result.stdout.splitlines())
     assert exports["OMP_NUM_THREADS"] == exports["MKL_NUM_THREADS"] == "3"

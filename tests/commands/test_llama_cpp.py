@@ -16,8 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from cpudist.cli import main
-from tests.helpers import GEMMA_FEATURES, PHI3_ROPES, cpudist_cmd, run, tiny_overrides, write_jsonl
+from tests.helpers import (
+    GEMMA_FEATURES,
+    PHI3_ROPES,
+    cpudist_in_process,
+    tiny_overrides,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +37,9 @@ NEAR_TIE = 2 * LOGPROB_TOL
 
 
 def _cpudist(*args: object) -> None:
-    """A cpudist command that needs no process of its own (export, merge), run in this one."""
-    assert main([str(arg) for arg in args]) == 0
+    """A cpudist command (train, export, merge), run in this process; llama.cpp loads what it
+    wrote in a process of its own where the test needs one."""
+    assert cpudist_in_process(list(args)) == 0
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +56,7 @@ def exported(smol_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     overrides = tiny_overrides(smol_dir, train_file, out, data__val_path=val_file,
                                data__max_length=96, train__max_steps=12, train__lr=4e-3,
                                lora__r=16, lora__alpha=32, train__eval_batches=1)
-    result = run([*cpudist_cmd(), "train", *overrides])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("train", *overrides)
     files = {"merged_f16": ["--adapter", out, "--type", "f16"],
              "merged_q8_0": ["--adapter", out, "--type", "q8_0"],
              "base_f16": ["--type", "f16"],
@@ -432,9 +437,8 @@ def test_a_gguf_base_trains_and_its_lora_file_runs_on_that_gguf_in_llama_cpp(
     _cpudist("export", "--base", hf_dir, "--type", "f32", "--out", users_file)
     out = tmp_path / "run"
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
-    result = run([*cpudist_cmd(), "train", *tiny_overrides(
-        users_file, data, out, lora__alpha=64, model__cache_dir=tmp_path / "cache")])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("train", *tiny_overrides(users_file, data, out, lora__alpha=64,
+                                      model__cache_dir=tmp_path / "cache"))
     lora_file = tmp_path / "lora.gguf"
     _cpudist("export", "--adapter", out / "adapter", "--lora", "--type", "f32", "--out", lora_file)
 
@@ -515,8 +519,7 @@ def test_gemma3_with_vision_trains_its_text_model_and_exports_it(gemma_tokenizer
                                         query_pre_attn_scalar=32)
     out = tmp_path / "run"
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
-    result = run([*cpudist_cmd(), "train", *tiny_overrides(base, data, out, lora__alpha=64)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    _cpudist("train", *tiny_overrides(base, data, out, lora__alpha=64))
     adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert "language_model" in adapter["target_modules"]
     from safetensors import safe_open

@@ -21,7 +21,7 @@ from cpudist.model.provenance import (
     read_record,
     resolve_base,
 )
-from tests.helpers import CHAT_ROWS, MODEL_CACHE, cpudist_cmd, run, tiny_overrides, write_jsonl
+from tests.helpers import CHAT_ROWS, MODEL_CACHE, cpudist_in_process, tiny_overrides, write_jsonl
 
 
 def _copy_with(model_dir: Path, target: Path, change: str | None = None) -> Path:
@@ -42,10 +42,9 @@ def trained(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     data = write_jsonl(root / "chat.jsonl", rows)
     base = _copy_with(tiny_llama, root / "base")
     out = root / "run"
-    result = run([*cpudist_cmd(), "train", *tiny_overrides(
+    assert cpudist_in_process(["train", *tiny_overrides(
         base, data, out, lora__use_rslora="true", lora__r=4, lora__alpha=8,
-        lora__target_modules="[q_proj,v_proj]", train__save_every=2)])
-    assert result.returncode == 0, result.stderr[-3000:]
+        lora__target_modules="[q_proj,v_proj]", train__save_every=2)]) == 0
     return {"root": root, "base": base, "out": out, "adapter": out / "adapter", "data": data}
 
 

@@ -12,7 +12,7 @@ import pytest
 from cpudist.cli import main
 from cpudist.errors import UserError
 from cpudist.report.plots import PLOTS, write_report, write_scaling_report
-from tests.helpers import cpudist_cmd, run, tiny_overrides
+from tests.helpers import cli_in_process, tiny_overrides
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -108,12 +108,13 @@ def test_report_command_and_its_errors(tmp_path: Path, capsys: pytest.CaptureFix
     assert "metrics.jsonl:2" in capsys.readouterr().err
 
 
-def test_training_run_writes_its_report(tiny_qwen: Path, chat_file: Path, tmp_path: Path) -> None:
+def test_training_run_writes_its_report(tiny_qwen: Path, chat_file: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
-    result = run([*cpudist_cmd(), "train", *tiny_overrides(tiny_qwen, chat_file, out,
-                                                           output__plots="true",
-                                                           train__sample_prompts=1,
-                                                           train__max_new_tokens=4)])
+    result = cli_in_process(capsys, ["train", *tiny_overrides(tiny_qwen, chat_file, out,
+                                                              output__plots="true",
+                                                              train__sample_prompts=1,
+                                                              train__max_new_tokens=4)])
     assert result.returncode == 0, result.stderr[-3000:]
     page = (out / "report.html").read_text()
     assert len(_embedded_pngs(page)) == len(PLOTS)

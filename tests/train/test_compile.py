@@ -5,6 +5,7 @@ compiles only big models on long runs where a compiler is present (decide_compil
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,7 @@ needs_compiler = pytest.mark.usefixtures("inductor_can_build")
 @pytest.mark.slow
 @needs_compiler
 def test_compiled_layers_train_like_eager(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
+    # Processes of their own: compiling changes dynamo's settings for the whole process.
     losses = {}
     for compiled in (False, True):
         out = tmp_path / f"compile-{compiled}"
@@ -89,26 +91,38 @@ def test_explicit_settings_win_and_a_missing_compiler_is_a_clear_error() -> None
         _decide(True, compiler="no C++ compiler found (apt-get install g++)")
 
 
+# A run of `cpudist train` in which auto's step threshold is SHORT_RUN (the rule itself is tested
+# above, without a model): the compiled path end to end without training 200 steps.
+SHORT_RUN = 6
+AUTO_WITH_A_SHORT_THRESHOLD = f"""
+import sys
+from cpudist.train import engine
+engine.COMPILE_MIN_STEPS = {SHORT_RUN}
+from cpudist.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.slow
 @needs_compiler
 def test_auto_compiles_a_long_run_of_a_wide_model(tokenizer_dir: Path, chat_file: Path,
                                                    tmp_path: Path) -> None:
     # The path auto takes for 0.5B-7B models on real runs, end to end: a one-layer model of
-    # hidden size 768 (the threshold) trained for 200 steps (the threshold) compiles and trains.
+    # hidden size 768 (the threshold) on a run as long as the step threshold compiles and trains.
+    # A process of its own: compiling changes dynamo's settings for the whole process.
     model = make_tiny_model("qwen2", tokenizer_dir, tmp_path / "wide", hidden_size=COMPILE_MIN_HIDDEN,
                             intermediate_size=256, num_hidden_layers=1, num_attention_heads=12,
                             num_key_value_heads=4)
     out = tmp_path / "auto"
-    done = run([*cpudist_cmd(), "train",
-                *tiny_overrides(model, chat_file, out, train__max_steps=COMPILE_MIN_STEPS,
-                                train__batch_size=2, train__log_every=50,
-                                train__eval_batches=1)], timeout=600)
+    done = run([sys.executable, "-c", AUTO_WITH_A_SHORT_THRESHOLD, "train",
+                *tiny_overrides(model, chat_file, out, train__max_steps=SHORT_RUN,
+                                train__batch_size=2, train__eval_batches=1)], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (f"torch.compile: on (auto: hidden size {COMPILE_MIN_HIDDEN}, {COMPILE_MIN_STEPS} steps)"
+    assert (f"torch.compile: on (auto: hidden size {COMPILE_MIN_HIDDEN}, {SHORT_RUN} steps)"
             in done.stdout)
     assert "torch.compile: 1 decoder layers" in done.stdout
     # auto lets a graph that fails to build run eager, with dynamo's warning; none may appear.
     assert "WON'T CONVERT" not in done.stdout + done.stderr
     losses = step_losses(out)
-    assert losses[-1][0] == COMPILE_MIN_STEPS
+    assert [step for step, _ in losses] == list(range(1, SHORT_RUN + 1))
     assert all(math.isfinite(loss) for _, loss in losses)

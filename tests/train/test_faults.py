@@ -3,16 +3,18 @@ during a checkpoint, and non-finite losses. Real processes, real signals, real f
 
 from __future__ import annotations
 
+import builtins
+import errno
 import json
 import math
 import os
-import resource
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -22,6 +24,7 @@ from cpudist.files import TMP_MARK
 from cpudist.train import checkpoint as ckpt
 from tests.helpers import (
     REPO,
+    cli_in_process,
     cpudist_cmd,
     mpirun_cmd,
     run,
@@ -30,8 +33,6 @@ from tests.helpers import (
     stopped_step,
     tiny_overrides,
 )
-
-pytestmark = pytest.mark.slow
 
 
 def rank_processes(launcher: psutil.Process) -> dict[int, psutil.Process]:
@@ -75,6 +76,7 @@ def gone(pids: list[int], within_s: float = 10.0) -> bool:
 # --------------------------------------------------------------------------- preemption
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_sigterm_to_one_rank_checkpoints_and_every_rank_exits(tiny_llama: Path, chat_file: Path,
                                                               tmp_path: Path) -> None:
@@ -98,6 +100,7 @@ def test_sigterm_to_one_rank_checkpoints_and_every_rank_exits(tiny_llama: Path, 
     assert gone(pids)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_sigterm_to_mpirun_ends_the_job_and_leaves_a_resumable_run(tiny_llama: Path,
                                                                    chat_file: Path,
@@ -130,6 +133,7 @@ def test_sigterm_to_mpirun_ends_the_job_and_leaves_a_resumable_run(tiny_llama: P
     assert [s for s, _ in step_losses(out)] == list(range(1, newest + 2))
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_sigterm_to_cpudist_launch_checkpoints_and_exits_cleanly(tiny_llama: Path, chat_file: Path,
                                                                  tmp_path: Path) -> None:
@@ -155,6 +159,7 @@ def test_sigterm_to_cpudist_launch_checkpoints_and_exits_cleanly(tiny_llama: Pat
     assert "train.resume=auto" in stdout
 
 
+@pytest.mark.slow
 def test_sigint_single_process_checkpoints(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [*cpudist_cmd(), "train",
@@ -169,6 +174,7 @@ def test_sigint_single_process_checkpoints(tiny_llama: Path, chat_file: Path, tm
 # --------------------------------------------------------------------------- dead or hung ranks
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_sigkilled_rank_under_mpirun_ends_the_job(tiny_llama: Path, chat_file: Path,
                                                    tmp_path: Path) -> None:
@@ -211,6 +217,7 @@ def launch_torchrun_style(cmd: list, world: int) -> list[subprocess.Popen]:
     return procs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_surviving_rank_exits_within_the_timeout(fault: str, tiny_llama: Path, chat_file: Path,
                                                  tmp_path: Path) -> None:
@@ -266,8 +273,10 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_kill_during_save_keeps_previous_checkpoint(tiny_llama: Path, chat_file: Path,
-                                                    tmp_path: Path) -> None:
+                                                    tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     overrides = tiny_overrides(tiny_llama, chat_file, out, train__max_steps=6, train__save_every=2)
     crashed = run([sys.executable, "-c", KILL_DURING_SAVE, "train", *overrides])
@@ -279,7 +288,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tiny_llama: Path, chat_file:
     loaded = ckpt.load_checkpoint(root / "step-2")  # the previous checkpoint loads
     assert loaded.state.step == 2
 
-    resumed = run([*cpudist_cmd(), "train", *overrides, "train.resume=auto"])
+    resumed = cli_in_process(capsys, ["train", *overrides, "train.resume=auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "removed half-written checkpoint" in resumed.stdout + resumed.stderr
     assert "at step 2" in resumed.stdout
@@ -287,60 +296,71 @@ def test_kill_during_save_keeps_previous_checkpoint(tiny_llama: Path, chat_file:
     assert [s for s, _ in step_losses(out)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_checkpoint_write_failure_stops_and_keeps_previous(tiny_llama: Path, chat_file: Path,
-                                                           tmp_path: Path) -> None:
+def test_checkpoint_write_failure_stops_and_keeps_previous(
+        tiny_llama: Path, chat_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "run"
     overrides = tiny_overrides(tiny_llama, chat_file, out, train__max_steps=2)
-    first = run([*cpudist_cmd(), "train", *overrides])
+    first = cli_in_process(capsys, ["train", *overrides])
     assert first.returncode == 0, first.stderr[-3000:]
 
-    def small_files() -> None:  # like a full disk: no file over 100 KB can be written
-        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+    real_save_file = ckpt.save_file
 
-    failed = run([*cpudist_cmd(), "train", *overrides, "train.resume=auto", "train.max_steps=4"],
-                 preexec_fn=small_files)
+    def disk_full(tensors: dict, path: str) -> None:  # half a file, then no space left
+        real_save_file(tensors, path)
+        with open(path, "r+b") as handle:
+            handle.truncate(os.path.getsize(path) // 2)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ckpt, "save_file", disk_full)
+    failed = cli_in_process(capsys, ["train", *overrides, "train.resume=auto", "train.max_steps=4"])
     assert failed.returncode == 2
     assert "Traceback" not in failed.stderr
     error = failed.stderr.strip().splitlines()[-1]
-    assert error.startswith(f"error: could not write checkpoint {out / 'checkpoints' / 'step-4'}")
+    assert error.startswith(f"error: could not write checkpoint {out / 'checkpoints' / 'step-4'}: "
+                            "No space left on device")
     assert f"the previous checkpoint {out / 'checkpoints' / 'step-2'} is intact" in error
     root = out / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step-2"]
     assert ckpt.load_checkpoint(root / "step-2").state.step == 2
 
 
-METRICS_DISK_FULL = """
-import builtins, errno, os, sys
-from cpudist.report import metrics as report
-calls = 0
-class FullDisk:  # takes half of a line, then fails as on a full disk
-    def __init__(self, handle):
+class FullDisk:
+    """An open file that takes half of a line, then fails as on a full disk."""
+
+    def __init__(self, handle: Any) -> None:
         self.handle = handle
-    def __getattr__(self, name):
+
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.handle, name)
-    def __enter__(self):
+
+    def __enter__(self) -> FullDisk:
         return self
-    def __exit__(self, *exc):
+
+    def __exit__(self, *_: object) -> None:
         self.handle.close()
-    def write(self, data):
+
+    def write(self, data: bytes) -> int:
         self.handle.write(bytes(data[: len(data) // 2]))
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-def fake_open(*args, **kwargs):  # the lines of steps 2 and 3 hit a full disk
-    global calls
-    calls += 1
-    handle = builtins.open(*args, **kwargs)
-    return FullDisk(handle) if calls in (2, 3) else handle
-report.open = fake_open
-from cpudist.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
 
 
-def test_metrics_write_failure_does_not_stop_the_run(tiny_llama: Path, chat_file: Path,
-                                                     tmp_path: Path) -> None:
+def test_metrics_write_failure_does_not_stop_the_run(
+        tiny_llama: Path, chat_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from cpudist.report import metrics as report
+
+    calls = [0]
+
+    def open_metrics(*args: Any, **kwargs: Any) -> Any:  # the lines of steps 2 and 3 hit it
+        calls[0] += 1
+        handle = builtins.open(*args, **kwargs)  # noqa: SIM115 - the caller closes it
+        return FullDisk(handle) if calls[0] in (2, 3) else handle
+
+    monkeypatch.setattr(report, "open", open_metrics, raising=False)
     out = tmp_path / "run"
-    result = run([sys.executable, "-c", METRICS_DISK_FULL, "train",
-                  *tiny_overrides(tiny_llama, chat_file, out, train__max_steps=4)])
+    result = cli_in_process(capsys, ["train", *tiny_overrides(tiny_llama, chat_file, out,
+                                                              train__max_steps=4)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     said = [line for line in (result.stdout + result.stderr).splitlines()
@@ -358,14 +378,15 @@ def test_metrics_write_failure_does_not_stop_the_run(tiny_llama: Path, chat_file
 # --------------------------------------------------------------------------- numerical faults
 
 
-def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_llama: Path, chat_file: Path,
-                                                               tmp_path: Path) -> None:
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run(
+        tiny_llama: Path, chat_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "run"
     overrides = tiny_overrides(tiny_llama, chat_file, out, train__max_steps=12, train__save_every=1,
                                train__keep_last=10, train__max_bad_steps=3)
     # Step 2 alone is skipped and the run goes on; steps 4, 5, 6 in a row stop it.
-    result = run([*cpudist_cmd(), "train", *overrides],
-                 env={"CPUDIST_FAULT_NAN_AT_STEP": "2,4,5,6"})
+    monkeypatch.setenv("CPUDIST_FAULT_NAN_AT_STEP", "2,4,5,6")
+    result = cli_in_process(capsys, ["train", *overrides])
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "step 2: non-finite loss; update skipped (1 in a row)" in result.stdout
@@ -389,12 +410,13 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tiny_llama: Path,
 
 
 def test_final_adapter_write_failure_is_a_clear_error(tiny_llama: Path, chat_file: Path,
-                                                      tmp_path: Path) -> None:
+                                                      tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     out.mkdir()
     (out / "adapter").write_text("a file where the adapter directory goes")
-    result = run([*cpudist_cmd(), "train",
-                  *tiny_overrides(tiny_llama, chat_file, out, train__max_steps=2)])
+    result = cli_in_process(capsys, ["train",
+                                     *tiny_overrides(tiny_llama, chat_file, out, train__max_steps=2)])
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     error = result.stderr.strip().splitlines()[-1]

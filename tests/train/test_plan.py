@@ -11,7 +11,7 @@ import pytest
 from cpudist.config import load_config
 from cpudist.runtime import memory
 from cpudist.train.plan import estimate, make_plan, model_parts
-from tests.helpers import cpudist_cmd, run
+from tests.helpers import cli_in_process
 
 NODE = (24.0, "MemTotal")
 
@@ -113,15 +113,15 @@ def test_a_gguf_file_is_planned_from_its_metadata_without_converting_it(tiny_gem
     assert from_file.eager_attention and from_file.tied
 
 
-def test_plan_command_prints_and_writes_json(tiny_qwen: Path, tmp_path: Path) -> None:
-    done = run([*cpudist_cmd(), "plan", f"model.path={tiny_qwen}", "--ranks-per-node", "2",
-                "--json", "-"], timeout=120)
+def test_plan_command_prints_and_writes_json(tiny_qwen: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    done = cli_in_process(capsys, ["plan", f"model.path={tiny_qwen}", "--ranks-per-node", "2",
+                                   "--json", "-"])
     assert done.returncode == 0, done.stderr
     figures = json.loads(done.stdout)
     assert figures["ranks_per_node"] == 2 and figures["fits"] is True
     assert figures["node_peak_gb"] > figures["rank_peak_gb"] > 0
-    printed = run([*cpudist_cmd(), "plan", f"model.path={tiny_qwen}", "model.quantize=int4"],
-                  timeout=120)
+    printed = cli_in_process(capsys, ["plan", f"model.path={tiny_qwen}", "model.quantize=int4"])
     assert printed.returncode == 0 and "decoder linears (int4)" in printed.stdout
     assert "node peak" in printed.stdout and printed.stdout.strip().endswith("fits")
 

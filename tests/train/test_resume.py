@@ -25,8 +25,6 @@ from tests.helpers import (
     tiny_overrides,
 )
 
-pytestmark = pytest.mark.slow
-
 STEPS = 10  # 24 training samples / global batch 4 = 6 steps per epoch: the run crosses an epoch
 
 
@@ -73,6 +71,7 @@ def test_single_process_resume_is_exact(tiny_llama: Path, chat_file: Path, tmp_p
     assert_same_run(reference, out, at)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_two_rank_resume_is_exact(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
     """Stopped by SIGUSR1 to mpirun (forwarded to every rank); every rank's RNG and shard resume."""
@@ -94,6 +93,7 @@ def test_two_rank_resume_is_exact(tiny_llama: Path, chat_file: Path, tmp_path: P
     assert_same_run(reference, out, at)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_resume_on_another_world_size_keeps_the_global_batch(tiny_llama: Path, chat_file: Path,
                                                              tmp_path: Path) -> None:
@@ -107,6 +107,7 @@ def test_resume_on_another_world_size_keeps_the_global_batch(tiny_llama: Path, c
     assert_close_run(tmp_path / "interrupted", tmp_path / "reference")
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_a_global_batch_that_does_not_divide_is_refused(tiny_llama: Path, chat_file: Path,
                                                         tmp_path: Path) -> None:
@@ -203,6 +204,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     assert adapter_difference(out, reference) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_resume_from_one_rank_on_two(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
     """1 rank x 2 rows x 2 accumulation stopped mid-run, continued by 2 ranks x 2 rows: the same
@@ -213,6 +215,7 @@ def test_resume_from_one_rank_on_two(tiny_llama: Path, chat_file: Path, tmp_path
     assert_close_run(tmp_path / "interrupted", tmp_path / "reference")
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_resume_from_two_ranks_on_four(tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
     """2 ranks x 2 rows x 2 accumulation stopped mid-run, continued by 4 ranks x 2 rows (ranks

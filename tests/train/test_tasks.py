@@ -17,7 +17,7 @@ from cpudist.infer.tasks import (
     multiple_choice_scores,
     normalize_answer,
 )
-from tests.helpers import CHAT_ROWS, REPO, cpudist_cmd, run, tiny_overrides, write_jsonl
+from tests.helpers import CHAT_ROWS, REPO, cpudist_in_process, tiny_overrides, write_jsonl
 
 VOCAB = 5
 
@@ -63,10 +63,9 @@ def trained(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
             for q, a in CHAT_ROWS * 4]
     out = root / "run"
-    result = run([*cpudist_cmd(), "train", *tiny_overrides(
+    assert cpudist_in_process(["train", *tiny_overrides(
         tiny_llama, write_jsonl(root / "chat.jsonl", rows), out, train__max_steps=8,
-        train__lr=3e-2, output__plots="true")])
-    assert result.returncode == 0, result.stderr[-3000:]
+        train__lr=3e-2, output__plots="true")]) == 0
     mc = write_jsonl(root / "mc.jsonl", [
         {"question": q, "choices": [a, CHAT_ROWS[(i + 1) % len(CHAT_ROWS)][1]], "answer": 0}
         for i, (q, a) in enumerate(CHAT_ROWS)])
