@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from cpudist.config import DataConfig
 from cpudist.data.formats import Messages, to_sample
@@ -117,6 +118,10 @@ class TokenizedSplit:
         # Labels are shifted by one inside the loss: the first position never counts.
         return sum(1 for label in self.labels[index][1:] if label != IGNORE)
 
+    def subset(self, indices: list[int]) -> TokenizedSplit:
+        return TokenizedSplit([self.input_ids[i] for i in indices],
+                              [self.labels[i] for i in indices])
+
 
 @dataclass
 class TokenizeStats:
@@ -162,7 +167,9 @@ _PROBE: Messages = [{"role": "user", "content": "Hello, what is 2 + 2?"},
                     {"role": "assistant", "content": " 4.\nDone."}]
 
 
-def _fingerprint(path: Path, config: DataConfig, tokenizer: Any) -> str:
+def fingerprint(path: Path, config: DataConfig, tokenizer: Any, kind: str) -> str:
+    """The cache key of a data file tokenized for `kind` (an objective's rows: sft, ...): the
+    file's bytes (a directory's names, sizes and times), what the tokenizer does, the settings."""
     digest = hashlib.sha256()
     if path.is_dir():
         for file in sorted(path.rglob("*")):
@@ -176,19 +183,29 @@ def _fingerprint(path: Path, config: DataConfig, tokenizer: Any) -> str:
     # What the tokenizer does, not only what it holds: the same vocabulary and template can
     # tokenize differently (a BOS added or not, another normalizer). A cache keyed on vocabulary
     # alone kept serving rows that started with a doubled <|im_start|> after such a change.
-    behaviour = [tokenize_conversation(tokenizer, _PROBE),
-                 tokenizer(_PROBE[0]["content"], add_special_tokens=True)["input_ids"]]
-    settings = [config.format, config.max_length, config.system_prompt, config.max_samples,
-                tokenizer.chat_template or "", vocab, behaviour, "v4"]
+    behaviour: list[Any] = [tokenizer(_PROBE[0]["content"], add_special_tokens=True)["input_ids"]]
+    if tokenizer.chat_template is not None:
+        behaviour.append(tokenize_conversation(tokenizer, _PROBE))
+    settings = [kind, config.format, config.max_length, config.system_prompt, config.max_samples,
+                tokenizer.chat_template or "", vocab, behaviour, "v5"]
     digest.update(json.dumps(settings).encode())
     return digest.hexdigest()[:16]
 
 
-def load_tokenized(path: Path, tokenizer: Any, config: DataConfig) -> tuple[TokenizedSplit, dict]:
-    """Tokenize a file once (under a node-wide lock) and reuse the cached token ids afterwards."""
+# Rows of a file as an objective tokenizes them: (records, tokenizer, data settings, the file's
+# name for errors) -> (columns of equal length, counts for the log: "samples", ...). It raises a
+# UserError naming the file when nothing usable is left.
+RowTokenizer = Callable[[list[dict[str, Any]], Any, DataConfig, str],
+                        tuple[dict[str, list[Any]], dict[str, int]]]
+
+
+def load_columns(path: Path, tokenizer: Any, config: DataConfig, kind: str,
+                 tokenize: RowTokenizer) -> tuple[Any, dict[str, int]]:
+    """A file's rows tokenized once per node by `tokenize` (under a node-wide lock) and cached on
+    disk as a datasets table; every later run and rank reads the cache. (table, counts)."""
     import datasets
 
-    cache = Path(config.cache_dir) / f"{path.stem}-{_fingerprint(path, config, tokenizer)}"
+    cache = Path(config.cache_dir) / f"{path.stem}-{fingerprint(path, config, tokenizer, kind)}"
     with file_lock(cache.with_suffix(".lock")):
         if not (cache / "stats.json").exists():
             records = read_records(path)
@@ -196,47 +213,61 @@ def load_tokenized(path: Path, tokenizer: Any, config: DataConfig) -> tuple[Toke
                 records = records[: config.max_samples]
             if not records:
                 raise UserError(f"{path}: the dataset is empty; it needs at least one record")
-            split, stats = tokenize_records(records, tokenizer, config, str(path))
-            if len(split) == 0:
-                raise UserError(
-                    f"{path}: no sample has a response token within data.max_length="
-                    f"{config.max_length} ({stats.truncated} of {stats.samples} truncated); "
-                    "raise data.max_length or shorten the prompts"
-                )
+            columns, stats = tokenize(records, tokenizer, config, str(path))
             # Another node on a shared filesystem may win the race: the same content either way.
             with replacing(cache) as tmp:
-                datasets.Dataset.from_dict({"input_ids": split.input_ids, "labels": split.labels}
-                                           ).save_to_disk(str(tmp))
-                (tmp / "stats.json").write_text(json.dumps(stats.__dict__))
-    table = datasets.load_from_disk(str(cache))
-    stats = json.loads((cache / "stats.json").read_text())
+                datasets.Dataset.from_dict(columns).save_to_disk(str(tmp))
+                (tmp / "stats.json").write_text(json.dumps(stats))
+    return datasets.load_from_disk(str(cache)), json.loads((cache / "stats.json").read_text())
+
+
+def _sft_columns(records: list[dict[str, Any]], tokenizer: Any, config: DataConfig, source: str
+                 ) -> tuple[dict[str, list[Any]], dict[str, int]]:
+    split, stats = tokenize_records(records, tokenizer, config, source)
+    if len(split) == 0:
+        raise UserError(f"{source}: no sample has a response token within data.max_length="
+                        f"{config.max_length} ({stats.truncated} of {stats.samples} truncated); "
+                        "raise data.max_length or shorten the prompts")
+    return {"input_ids": split.input_ids, "labels": split.labels}, dict(stats.__dict__)
+
+
+def load_tokenized(path: Path, tokenizer: Any, config: DataConfig) -> tuple[TokenizedSplit, dict]:
+    """A file tokenized for supervised fine-tuning (prompt masked), cached (load_columns)."""
+    table, stats = load_columns(path, tokenizer, config, "sft", _sft_columns)
     return TokenizedSplit(table["input_ids"], table["labels"]), stats
 
 
-def split_validation(data: TokenizedSplit, fraction: float, seed: int
-                     ) -> tuple[TokenizedSplit, TokenizedSplit]:
+class Subsettable(Protocol):
+    def __len__(self) -> int: ...
+
+    def subset(self, indices: list[int]) -> Any: ...
+
+
+SplitT = TypeVar("SplitT", bound=Subsettable)
+
+
+def split_validation(data: SplitT, fraction: float, seed: int) -> tuple[SplitT, SplitT]:
+    """(train, validation): `fraction` of the samples held out, chosen by the seed alone."""
     order = list(range(len(data)))
     random.Random(seed).shuffle(order)
     n_val = int(round(len(order) * fraction)) if fraction > 0 else 0
     if fraction > 0 and len(order) > 1:
         n_val = max(1, n_val)
-    val, train = sorted(order[:n_val]), sorted(order[n_val:])
-
-    def pick(indices: list[int]) -> TokenizedSplit:
-        return TokenizedSplit([data.input_ids[i] for i in indices], [data.labels[i] for i in indices])
-
-    return pick(train), pick(val)
+    return data.subset(sorted(order[n_val:])), data.subset(sorted(order[:n_val]))
 
 
-def build_datasets(config: DataConfig, tokenizer: Any, seed: int
-                   ) -> tuple[TokenizedSplit, TokenizedSplit, dict[str, Any]]:
-    """(train, validation, stats for the log)."""
+def build_datasets(config: DataConfig, tokenizer: Any, seed: int,
+                   load: Callable[[Path, Any, DataConfig], tuple[Any, dict[str, int]]] | None = None
+                   ) -> tuple[Any, Any, dict[str, Any]]:
+    """(train, validation, counts for the log) of data.path (and data.val_path), each file
+    tokenized by `load` (default: for supervised fine-tuning)."""
+    load = load or load_tokenized
     path = resolve_data_path(config.path, config.cache_dir)
-    data, stats = load_tokenized(path, tokenizer, config)
+    data, stats = load(path, tokenizer, config)
     if config.val_path:
         train = data
-        val, val_stats = load_tokenized(resolve_data_path(config.val_path, config.cache_dir),
-                                        tokenizer, config)
+        val, val_stats = load(resolve_data_path(config.val_path, config.cache_dir), tokenizer,
+                              config)
         stats = {k: stats[k] + val_stats[k] for k in stats}
     else:
         train, val = split_validation(data, config.val_fraction, seed)
