@@ -102,6 +102,9 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> BenchResult | N
         **_communication(measured.comm, placement.world_size))
 
 
+PROBES_BETWEEN = 3
+
+
 @dataclass
 class _Measured:
     flops: FlopModel  # of the model: each step's model FLOPs
@@ -115,6 +118,9 @@ def _timed_steps(engine: Engine, args: BenchArgs, probe: Callable[[], None]) -> 
     comm.step_figures), with a GEMM probe between timed steps."""
     placement = engine.placement
     measured = _Measured(flop_model(engine.model))
+    # At most PROBES_BETWEEN probes between timed steps: enough to catch a drifting peak, few
+    # enough that a long bench is not mostly probing.
+    stride = max(1, -(-args.steps // (PROBES_BETWEEN + 1)))
     total = args.warmup + args.steps
     for step in range(total):
         barrier(placement)
@@ -136,7 +142,7 @@ def _timed_steps(engine: Engine, args: BenchArgs, probe: Callable[[], None]) -> 
                                             int(samples), cells, flops))
         log.info("bench step %d/%d%s: %.2f s, loss %.4f", step + 1, total,
                  " (warm-up)" if step < args.warmup else "", elapsed, result.loss)
-        if args.warmup <= step < total - 1:
+        if args.warmup <= step < total - 1 and (step - args.warmup + 1) % stride == 0:
             probe()  # probes spread through the run, outside the timed steps
     return measured
 

@@ -130,28 +130,6 @@ def test_bench_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert result.returncode == 2 and "train.batch_size" in result.stderr
 
 
-@pytest.mark.slow
-def test_bench_vs_hf_prints_ratios(tiny_qwen: Path, tmp_path: Path) -> None:
-    figures, printed = _bench(tiny_qwen, tmp_path, "--vs", "hf")
-    assert "cpudist / hf" in printed
-    assert (tmp_path / "bench.png").stat().st_size > 1000
-    assert set(figures) >= {"cpudist", "hf", "ratios"}
-    hf = figures["hf"]
-    assert hf["framework"].startswith("hf-trainer") and hf["steps"] == 2
-    # Each side on its own default malloc: HF as users run it, cpudist as `cpudist train` does.
-    from cpudist.runtime.allocator import choose_allocator
-
-    assert hf["allocator"] == "glibc malloc"
-    assert figures["cpudist"]["allocator"].split(" ")[0] == (choose_allocator("auto")[0] or "glibc")
-    # Same model, rows and FLOP formula on both sides.
-    assert hf["flop_model"] == figures["cpudist"]["flop_model"]
-    assert hf["tokens_per_s"] * hf["s_per_step"] == pytest.approx(2 * 32)
-    for key in ("tokens_per_s", "s_per_step", "mfu", "node_pss_gb"):
-        assert figures["ratios"][key] == pytest.approx(figures["cpudist"][key] / hf[key]
-                                                      if key != "node_pss_gb" else
-                                                      figures["cpudist"][key] / hf[key])
-
-
 def test_timed_steps_cover_the_fixed_sample_set_once() -> None:
     from cpudist.bench.samples import bench_step_position, fixed_sample_set
     from cpudist.data.batches import GlobalBatches
@@ -174,21 +152,35 @@ def test_timed_steps_cover_the_fixed_sample_set_once() -> None:
 
 
 @pytest.mark.slow
-def test_bench_vs_hf_instruct_times_the_same_samples(tiny_qwen: Path, tmp_path: Path) -> None:
+def test_bench_vs_hf_times_the_same_samples_and_prints_ratios(tiny_qwen: Path,
+                                                              tmp_path: Path) -> None:
     from tests.helpers import write_jsonl
 
     rows = [{"messages": [{"role": "user", "content": f"Count to {n}."},
                           {"role": "assistant", "content": " ".join(["one"] * (1 + n % 9 * 5))}]}
             for n in range(30)]
     data = write_jsonl(tmp_path / "lengths.jsonl", rows)
-    figures, _ = _bench(tiny_qwen, tmp_path, "--data", "instruct", f"data.path={data}",
-                        "--batch-size", "4", "--seq-len", "96", "--vs", "hf")
+    figures, printed = _bench(tiny_qwen, tmp_path, "--data", "instruct", f"data.path={data}",
+                              "--batch-size", "4", "--seq-len", "96", "--vs", "hf")
+    assert "cpudist / hf" in printed
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+    assert set(figures) >= {"cpudist", "hf", "ratios"}
     ours, hf = figures["cpudist"], figures["hf"]
+    assert hf["framework"].startswith("hf-trainer") and hf["steps"] == 2
+    # Each side on its own default malloc: HF as users run it, cpudist as `cpudist train` does.
+    from cpudist.runtime.allocator import choose_allocator
+
+    assert hf["allocator"] == "glibc malloc"
+    assert ours["allocator"].split(" ")[0] == (choose_allocator("auto")[0] or "glibc")
+    # Same model and FLOP formula; both sides time one epoch over the same 8 samples: the same
+    # real and label tokens.
+    assert hf["flop_model"] == ours["flop_model"]
     assert "8 of" in ours["data"] and "8 of" in hf["data"]
-    # Both sides time one epoch over the same 8 samples: the same real and label tokens.
     for key in ("tokens_per_s", "label_tokens_per_s", "samples_per_s"):
         assert ours[key] * ours["s_per_step"] == pytest.approx(hf[key] * hf["s_per_step"]), key
     assert ours["samples_per_s"] * ours["s_per_step"] == pytest.approx(4)
+    for key in ("tokens_per_s", "s_per_step", "mfu", "node_pss_gb"):
+        assert figures["ratios"][key] == pytest.approx(ours[key] / hf[key])
 
 
 @pytest.mark.slow
