@@ -42,6 +42,14 @@ class ModelConfig(_Section):
     cache_dir: str = ".cache/models"
 
 
+class PeftSection(_Section):
+    # What trains besides a classification head (cpudist.model.adapters.ADAPTER_METHODS):
+    # lora (with rsLoRA and DoRA as lora.* settings), ia3, or a prompt-learning method:
+    # prompt_tuning, p_tuning (a prompt encoder), prefix_tuning (P-Tuning v2: a prefix of keys
+    # and values in every layer). Each has its section below.
+    method: Literal["lora", "ia3", "prompt_tuning", "p_tuning", "prefix_tuning"] = "lora"
+
+
 class LoraConfig(_Section):
     r: int = Field(8, gt=0)
     alpha: float = Field(16.0, gt=0)
@@ -66,12 +74,43 @@ class LoraConfig(_Section):
         return value
 
 
+class IA3Section(_Section):
+    # Modules scaled by learned vectors: "auto" = PEFT's choice for the architecture (attention
+    # keys and values and the MLP's down projection), or a list of module name suffixes.
+    target_modules: Literal["auto"] | list[str] = "auto"
+    # Those of target_modules whose input (not output) is scaled: the MLP's (auto: PEFT's choice).
+    feedforward_modules: Literal["auto"] | list[str] = "auto"
+
+
+class PromptSection(_Section):
+    # The prompt-learning methods (peft.method = prompt_tuning, p_tuning, prefix_tuning).
+    virtual_tokens: int = Field(20, gt=0)
+    # prompt_tuning: start the virtual tokens from the embeddings of this text (cut or repeated
+    # to virtual_tokens), else from random vocabulary rows.
+    init_text: str | None = None
+    # p_tuning: the encoder that produces the virtual tokens.
+    encoder: Literal["mlp", "lstm"] = "mlp"
+    encoder_hidden_size: int = Field(128, gt=0)
+    # prefix_tuning: train the prefix through a two-layer MLP (false: directly, as P-Tuning v2).
+    prefix_projection: bool = False
+
+
+class ClassificationSection(_Section):
+    # The label names in order (their index is the class id); default: every label the training
+    # file holds, sorted. Validation rows with another label are an error.
+    labels: list[str] | None = None
+    # Weight of each class in the loss: none, or balanced (inverse to its share of the training
+    # rows, as scikit-learn's class_weight="balanced").
+    class_weights: Literal["none", "balanced"] = "none"
+
+
 class DataConfig(_Section):
     # A .jsonl/.json/.parquet file, a saved datasets directory, or a built-in corpus
     # ("chatterbot:english", "chatterbot:chinese").
     path: str = "chatterbot:english"
     # A name in cpudist.data.formats.FORMATS: alpaca (instruction/input/output), chat (messages
-    # list, or ShareGPT conversations), text (raw text, every token a label).
+    # list, or ShareGPT conversations), text (raw text, every token a label), classification
+    # (text, optional text_pair, and label or a list of labels).
     format: str = "chat"
     # Optional separate validation file; otherwise val_fraction of `path` is held out.
     val_path: str | None = None
@@ -96,8 +135,9 @@ class DataConfig(_Section):
 
 class TrainConfig(_Section):
     # What the run trains for (a name in cpudist.objectives.OBJECTIVES): sft = next-token
-    # cross-entropy on the answer tokens.
-    objective: Literal["sft"] = "sft"
+    # cross-entropy on the answer tokens; classification = a head on the text's label(s);
+    # auto = the one data.format calls for (classification for that format, else sft).
+    objective: Literal["auto", "sft", "classification"] = "auto"
     seed: int = 42
     epochs: int = Field(1, gt=0)
     # When set, the run stops after this many optimizer steps (epochs repeat as needed).
@@ -177,8 +217,12 @@ class OutputConfig(_Section):
 
 class Config(_Section):
     model: ModelConfig = ModelConfig()
+    peft: PeftSection = PeftSection()
     lora: LoraConfig = LoraConfig()
+    ia3: IA3Section = IA3Section()
+    prompt: PromptSection = PromptSection()
     data: DataConfig = DataConfig()
+    classification: ClassificationSection = ClassificationSection()
     train: TrainConfig = TrainConfig()
     dist: DistConfig = DistConfig()
     output: OutputConfig = OutputConfig()
@@ -209,6 +253,8 @@ _ALIASES = {
     "max_grad_norm": "train.max_grad_norm", "lora_alpha": "lora.alpha",
     "lora_dropout": "lora.dropout", "output_dir": "output.dir", "model_name_or_path": "model.path",
     "torch_dtype": "model.dtype", "max_seq_length": "data.max_length",
+    "peft_type": "peft.method", "method": "peft.method", "num_virtual_tokens": "prompt.virtual_tokens",
+    "num_labels": "classification.labels", "label_names": "classification.labels",
 }
 
 
@@ -290,7 +336,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             loaded = {}
         if not isinstance(loaded, dict):
             raise UserError(f"{path}: the top level must be a mapping of sections "
-                            "(model, lora, data, train, dist, output)")
+                            f"({', '.join(Config.model_fields)})")
         data = loaded
         lines = _key_lines(text)
     override_keys: set[str] = set()
@@ -302,9 +348,28 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         target[key] = value
         override_keys.add(f"{section}.{key}")
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
         raise UserError(_describe(exc, source, lines, override_keys)) from exc
+    check_together(config, source)
+    return config
+
+
+PROMPT_LEARNING = ("prompt_tuning", "p_tuning", "prefix_tuning")
+
+
+def check_together(config: Config, source: str = "config") -> None:
+    """Settings that are each valid but do not go together: a UserError naming both keys."""
+    from cpudist.data.formats import objectives_of  # the registry: no torch, no cycle
+
+    method, objective, fmt = config.peft.method, config.train.objective, config.data.format
+    if method in PROMPT_LEARNING and config.data.packing:
+        raise UserError(f"{source}: data.packing=true with peft.method={method}: the virtual tokens "
+                        "belong to one sample per row; set data.packing=false")
+    if objective != "auto" and objective not in objectives_of(fmt):
+        raise UserError(f"{source}: train.objective={objective} cannot train on data.format={fmt} "
+                        f"(its records are for {' or '.join(objectives_of(fmt))}); use "
+                        "train.objective=auto or a data format of that objective")
 
 
 def _describe(exc: ValidationError, source: str, lines: dict[str, int], overrides: set[str]) -> str:

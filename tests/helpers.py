@@ -399,15 +399,15 @@ def stopped_step(output: str) -> int:
 def lora_model(path: Path, cache: Path, dtype: str = "float32", share: bool = False,
                **model_settings: object) -> torch.nn.Module:
     """A peft model as training builds it, with random LoRA B so both LoRA matrices get gradient."""
-    from cpudist.config import LoraConfig, ModelConfig
+    from cpudist.config import Config, LoraConfig, ModelConfig
     from cpudist.model.load import build_model
     from cpudist.runtime.precision import choose_precision
 
     torch.manual_seed(0)
     model, _, _ = build_model(
-        ModelConfig(path=str(path), dtype=dtype, share_frozen_weights=share, cache_dir=str(cache),
-                    **model_settings),
-        LoraConfig(r=4, alpha=8, dropout=0.0), choose_precision(dtype))
+        Config(model=ModelConfig(path=str(path), dtype=dtype, share_frozen_weights=share,
+                                 cache_dir=str(cache), **model_settings),
+               lora=LoraConfig(r=4, alpha=8, dropout=0.0)), choose_precision(dtype))
     for name, param in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.05)

@@ -50,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--out {args.out} already exists; choose a new file or pass --force")
     if args.lora and not args.adapter:
         raise UserError("--lora writes an adapter: pass --adapter DIR with it")
+    if args.adapter:
+        from cpudist.model.adapters import check_mergeable, resolve_adapter
+
+        check_mergeable(resolve_adapter(args.adapter), "cpudist export")  # before the slow checks
     # The adapter's recorded base when --base is left out; a wrong one is refused.
     chosen = trained_model(args, args.run_dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -65,25 +69,42 @@ def _export(chosen: TrainedModel, lora: bool, file_type: str, out: Path, scratch
     """The GGUF file: base alone, base and adapter merged, or (lora) the adapter alone."""
     from cpudist.config import ModelConfig
     from cpudist.errors import UserError
+    from cpudist.model.adapters import check_mergeable
     from cpudist.model.gguf_export import export_lora, export_model, read_adapter
     from cpudist.model.load import resolve_model_path
-    from cpudist.model.merge import merge, write_dequantized_base
+    from cpudist.model.merge import merge
 
+    method = check_mergeable(chosen.adapter, "cpudist export") if chosen.adapter else None
+    if lora and method not in (None, "lora"):
+        raise UserError(f"--lora: {chosen.adapter} is a {method} adapter and llama.cpp's adapter "
+                        "files hold LoRA matrices; export it merged (drop --lora)")
+    if method not in (None, "lora") or chosen.model.quantize != "none":
+        # Folded into the weights first (as `cpudist merge` does): an IA3 adapter, or a run on a
+        # quantized base, whose adapter was trained against the dequantized weights.
+        if chosen.adapter is not None and not lora:
+            return export_model(merge(chosen.model, chosen.adapter, scratch / "merged"), out,
+                                file_type, None)
+        return _export_lora_pair(chosen, lora, file_type, out, scratch)
     adapter = read_adapter(chosen.adapter) if chosen.adapter else None
     if lora and adapter is not None and adapter.dora:
         raise UserError(f"--lora: {chosen.adapter} is a DoRA adapter and llama.cpp's LoRA format "
                         "has no magnitude vectors; export it merged (drop --lora)")
-    if chosen.model.quantize != "none":
-        # The adapter was trained against the dequantized weights: those are the base to write,
-        # merged (as `cpudist merge` does) or alone for a --lora pair.
-        if chosen.adapter is not None and not lora:
-            base_dir = merge(chosen.model, chosen.adapter, scratch / "merged")
-            adapter = None
-        else:
-            base_dir = write_dequantized_base(chosen.model, scratch / "base")
-    else:
-        base_dir = resolve_model_path(ModelConfig(path=chosen.model.path))
+    base_dir = resolve_model_path(ModelConfig(path=chosen.model.path))
     if lora:
         assert adapter is not None
         return export_lora(base_dir, adapter, out, file_type)
     return export_model(base_dir, out, file_type, adapter)
+
+
+def _export_lora_pair(chosen: TrainedModel, lora: bool, file_type: str, out: Path,
+                      scratch: Path) -> Path:
+    """A quantized run's base alone (its dequantized weights, what the adapter was trained
+    against), or (lora) its LoRA file for that base."""
+    from cpudist.model.gguf_export import export_lora, export_model, read_adapter
+    from cpudist.model.merge import write_dequantized_base
+
+    base_dir = write_dequantized_base(chosen.model, scratch / "base")
+    if lora:
+        assert chosen.adapter is not None
+        return export_lora(base_dir, read_adapter(chosen.adapter), out, file_type)
+    return export_model(base_dir, out, file_type, None)

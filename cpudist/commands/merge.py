@@ -28,6 +28,9 @@ def run(args: argparse.Namespace) -> int:
     from cpudist.runtime.process import quiet_libraries
 
     quiet_libraries()
+    from cpudist.model.adapters import check_mergeable, resolve_adapter
+
+    check_mergeable(resolve_adapter(args.adapter), "cpudist merge")  # before the slow checks
     chosen = trained_model(args, args.run_dtype)
     assert chosen.adapter is not None  # --adapter is required
     target = merge(chosen.model, chosen.adapter, args.out, args.dtype, args.force)

@@ -1,14 +1,17 @@
 """Data formats: one function per format turns a record into a sample, registered in FORMATS.
 
-A sample is a conversation (a list of {role, content} messages; only assistant turns carry loss)
-or a plain string (every token carries loss). To add a format, write `def name(row, where)` that
-returns one, raising UserError that names `where` (FILE:LINE) for a record that does not fit, and
-register it in FORMATS: `data.format=name` then reads it, and the config accepts the name.
+For supervised fine-tuning a sample is a conversation (a list of {role, content} messages; only
+assistant turns carry loss) or a plain string (every token carries loss); a classification record
+is a LabelledText. To add a format, write `def name(row, where)` that returns one, raising
+UserError that names `where` (FILE:LINE) for a record that does not fit, register it in FORMATS
+(`data.format=name` then reads it, and the config accepts the name) and, when it is not an SFT
+format, name the objectives that read it in FORMAT_OBJECTIVES.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from cpudist.errors import UserError
@@ -61,13 +64,56 @@ def text(row: dict[str, Any], where: str) -> str:
     return str(row["text"])
 
 
+@dataclass(frozen=True)
+class LabelledText:
+    """A classification record: a text (and optionally a second one, such as a question and its
+    context), and its label names (one, or several for multi-label rows)."""
+
+    text: str
+    text_pair: str | None
+    labels: tuple[str, ...]
+    multi_label: bool
+
+
+def classification(row: dict[str, Any], where: str) -> LabelledText:
+    """'text' (and optional 'text_pair') with 'label' (one name) or 'labels' (a list of names)."""
+    if "text" not in row:
+        raise UserError(f"{where}: data.format=classification needs a 'text' field; found "
+                        f"{sorted(row)}")
+    if "labels" in row:
+        labels = row["labels"]
+        if not isinstance(labels, list) or not all(isinstance(x, (str, int)) for x in labels):
+            raise UserError(f"{where}: 'labels' must be a list of label names")
+        if not labels:
+            raise UserError(f"{where}: 'labels' is empty; a multi-label row needs at least one "
+                            "label (leave the row out if none applies)")
+        names, multi = tuple(str(x) for x in labels), True
+    elif "label" in row and isinstance(row["label"], (str, int)) and not isinstance(row["label"], bool):
+        names, multi = (str(row["label"]),), False
+    else:
+        raise UserError(f"{where}: data.format=classification needs a 'label' (a name) or "
+                        f"'labels' (a list of names) field; found {sorted(row)}")
+    pair = row.get("text_pair")
+    return LabelledText(str(row["text"]), None if pair is None else str(pair), names, multi)
+
+
 # data.format name -> the function that reads a record of that format.
-FORMATS: dict[str, Callable[[dict[str, Any], str], Sample]] = {
-    "alpaca": alpaca, "chat": chat, "text": text}
+FORMATS: dict[str, Callable[[dict[str, Any], str], Any]] = {
+    "alpaca": alpaca, "chat": chat, "text": text, "classification": classification}
+
+# data.format name -> the objectives that read it (train.objective=auto takes the first);
+# a format not named here is read by sft.
+FORMAT_OBJECTIVES: dict[str, tuple[str, ...]] = {"classification": ("classification",)}
+
+
+def objectives_of(fmt: str) -> tuple[str, ...]:
+    """The objectives that train on records of data.format=fmt, the one auto picks first."""
+    return FORMAT_OBJECTIVES.get(fmt, ("sft",))
 
 
 def to_sample(row: dict[str, Any], fmt: str, where: str, system: str | None) -> Sample:
-    """The record as a sample of format fmt, with the system prompt first in a conversation."""
+    """The record as a sample of format fmt (an SFT format), with the system prompt first in a
+    conversation."""
     sample = FORMATS[fmt](row, where)
     if isinstance(sample, list) and system and (not sample or sample[0]["role"] != "system"):
         sample = [{"role": "system", "content": system}, *sample]

@@ -3,14 +3,12 @@ code, so the two give the same loss for the same file), with token accuracy."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from cpudist.errors import UserError
 from cpudist.infer.session import Session
-from cpudist.model.loss import LossOutput, label_positions
+from cpudist.model.loss import CausalLMLoss, LossOutput, label_positions
 from cpudist.objectives.evaluation import evaluate
 from cpudist.objectives.sft import SFT
 from cpudist.records import DataEvalResult
@@ -19,32 +17,28 @@ from cpudist.records import DataEvalResult
 class TokenAccuracy(nn.Module):
     """A causal-LM loss module plus a count of label positions whose argmax prediction is the label.
 
-    The loss itself comes from the wrapped module unchanged; the decoder's hidden states are
-    caught with a hook and put through the LM head again for the argmax (soft-capping and logit
-    scaling do not change an argmax).
+    The loss itself comes from the wrapped module unchanged; its hidden states are put through
+    the LM head again for the argmax (soft-capping and logit scaling do not change an argmax).
     """
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: CausalLMLoss) -> None:
         super().__init__()
         self.inner = inner
         self.correct = self.counted = 0
-        self._hidden: torch.Tensor | None = None
-        inner.decoder.register_forward_hook(self._catch)
-
-    def _catch(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        self._hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        inner.keep_hidden = True
 
     def forward(self, **batch: torch.Tensor) -> LossOutput:
         output = self.inner(**batch)
-        assert self._hidden is not None
+        hidden = self.inner.last_hidden
+        assert hidden is not None
         flat_index, targets = label_positions(batch["labels"])
-        rows = self._hidden.reshape(-1, self._hidden.shape[-1]).index_select(0, flat_index)
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_index)
         chunk = self.inner.chunk_size or 1024
         for start in range(0, rows.shape[0], chunk):
             predicted = self.inner.head(rows[start : start + chunk]).argmax(dim=-1)
             self.correct += int((predicted == targets[start : start + chunk]).sum())
         self.counted += int(targets.numel())
-        self._hidden = None
+        self.inner.last_hidden = None
         return output
 
 
@@ -61,7 +55,9 @@ def evaluate_file(session: Session, limit: int | None = None) -> DataEvalResult:
         raise UserError(str(exc).replace("(data.path)", "(--data)")) from exc
     data, stats = load_tokenized(path, session.tokenizer, data_config)
     objective = SFT(session.config)
-    scorer = TokenAccuracy(objective.loss_module(session.model))
+    loss = objective.loss_module(session.model)
+    assert isinstance(loss, CausalLMLoss)
+    scorer = TokenAccuracy(loss)
     figures = evaluate(objective, scorer, data, session.config.train.batch_size, session.pad_id,
                        session.precision, session.process.placement, limit)
     if not figures:

@@ -1,7 +1,9 @@
 """Adapters through peft: the methods cpudist trains (a registry), and adapter directories on disk.
 
-To add a PEFT method, write a function that turns the `lora` config section into a peft config and
-register it in ADAPTER_METHODS; `method_of` says which one a config asks for.
+To add a PEFT method, write a function that turns the config (its own section of it) and the
+resolved target modules into a peft config, register it in ADAPTER_METHODS under the name
+`peft.method` takes (and add that name to PeftSection.method in config.py). PEFT builds, names,
+saves and reloads every adapter; cpudist only chooses its settings.
 """
 
 from __future__ import annotations
@@ -9,32 +11,115 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from cpudist.config import LoraConfig
+from cpudist.config import Config
 from cpudist.errors import UserError
 
 log = logging.getLogger("cpudist")
 
+# peft's task types: what the adapted model computes (and which PEFT model class wraps it).
+CAUSAL_LM, SEQ_CLS = "CAUSAL_LM", "SEQ_CLS"
 
-def _lora(config: LoraConfig, target_modules: str | list[str]) -> Any:
+
+def _lora(config: Config, targets: str | list[str], task: str) -> Any:
     from peft import LoraConfig as PeftLoraConfig
 
-    return PeftLoraConfig(r=config.r, lora_alpha=config.alpha, lora_dropout=config.dropout,
-                          target_modules=target_modules, task_type="CAUSAL_LM",
-                          use_rslora=config.use_rslora, use_dora=config.use_dora)
+    lora = config.lora
+    return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=targets, task_type=task, use_rslora=lora.use_rslora,
+                          use_dora=lora.use_dora)
 
 
-# Method name -> function building its peft config from the `lora` section and the target modules.
-ADAPTER_METHODS: dict[str, Callable[[LoraConfig, str | list[str]], Any]] = {"lora": _lora}
+def _ia3(config: Config, targets: str | list[str], task: str) -> Any:
+    from peft import IA3Config
+
+    ia3 = config.ia3
+    # PEFT knows which of an architecture's modules IA3 scales, and which of them are MLP inputs.
+    chosen = {} if ia3.target_modules == "auto" else {"target_modules": ia3.target_modules}
+    if ia3.feedforward_modules != "auto":
+        chosen["feedforward_modules"] = ia3.feedforward_modules
+    return IA3Config(task_type=task, **chosen)
 
 
-def method_of(config: LoraConfig) -> str:
+def _prompt_tuning(config: Config, targets: str | list[str], task: str) -> Any:
+    from peft import PromptTuningConfig
+
+    prompt = config.prompt
+    text = {} if prompt.init_text is None else {
+        "prompt_tuning_init": "TEXT", "prompt_tuning_init_text": prompt.init_text,
+        "tokenizer_name_or_path": config.model.path}
+    return PromptTuningConfig(task_type=task, num_virtual_tokens=prompt.virtual_tokens, **text)
+
+
+def _p_tuning(config: Config, targets: str | list[str], task: str) -> Any:
+    from peft import PromptEncoderConfig
+
+    prompt = config.prompt
+    return PromptEncoderConfig(task_type=task, num_virtual_tokens=prompt.virtual_tokens,
+                               encoder_reparameterization_type=prompt.encoder.upper(),
+                               encoder_hidden_size=prompt.encoder_hidden_size)
+
+
+def _prefix_tuning(config: Config, targets: str | list[str], task: str) -> Any:
+    from peft import PrefixTuningConfig
+
+    prompt = config.prompt
+    return PrefixTuningConfig(task_type=task, num_virtual_tokens=prompt.virtual_tokens,
+                              prefix_projection=prompt.prefix_projection)
+
+
+@dataclass(frozen=True)
+class Method:
+    """A PEFT method: how its peft config is made, and what it can be used for."""
+
+    build: Callable[[Config, str | list[str], str], Any]
+    prompt_learning: bool = False  # virtual tokens, not weights of the base: cannot be merged
+    mergeable: bool = True
+    section: str = ""  # the config section of its settings
+
+
+# peft.method name -> the method.
+ADAPTER_METHODS: dict[str, Method] = {
+    "lora": Method(_lora, section="lora"),
+    "ia3": Method(_ia3, section="ia3"),
+    "prompt_tuning": Method(_prompt_tuning, prompt_learning=True, mergeable=False,
+                            section="prompt"),
+    "p_tuning": Method(_p_tuning, prompt_learning=True, mergeable=False, section="prompt"),
+    "prefix_tuning": Method(_prefix_tuning, prompt_learning=True, mergeable=False,
+                            section="prompt"),
+}
+
+
+def method_of(config: Config) -> str:
     """The adapter method a config asks for (a key of ADAPTER_METHODS)."""
-    return "lora"
+    return config.peft.method
+
+
+def saved_method(adapter_dir: Path) -> str:
+    """The method of a saved adapter, as the names of ADAPTER_METHODS (from its peft_type)."""
+    import json
+
+    peft_type = str(json.loads((adapter_dir / "adapter_config.json").read_text())
+                    .get("peft_type", "LORA")).lower()
+    return {"p_tuning": "p_tuning", "prompt_tuning": "prompt_tuning",
+            "prefix_tuning": "prefix_tuning", "ia3": "ia3"}.get(peft_type, "lora")
+
+
+def check_mergeable(adapter_dir: Path, what: str) -> str:
+    """The saved adapter's method; a one-line error when it cannot be folded into its base
+    (`what`: the command that wants to, for the message)."""
+    name = saved_method(adapter_dir)
+    if not ADAPTER_METHODS[name].mergeable:
+        raise UserError(f"{what}: {adapter_dir} is a {name} adapter, whose virtual tokens are not "
+                        "weights of the base, so there is nothing to fold into it; run base + "
+                        "adapter with `cpudist generate`/`eval`, or with peft "
+                        "(PeftModel.from_pretrained)")
+    return name
 
 
 def _linear_types() -> tuple[type[nn.Module], ...]:
@@ -86,39 +171,67 @@ def _all_linear_targets(model: nn.Module, quantized: bool) -> str | list[str]:
     return sorted(inside) if quantized else "all-linear"
 
 
-def apply_adapter(model: nn.Module, config: LoraConfig) -> nn.Module:
-    """The frozen base wrapped with a fresh, trainable adapter (fp32 weights)."""
-    from peft import get_peft_model
+# The classification heads transformers puts on a backbone; trained in full beside the adapter
+# (PEFT's modules_to_save) and saved with it.
+CLASSIFIER_HEADS = ("score", "classifier")
 
-    if isinstance(config.target_modules, list):
-        available = linear_module_names(model)
-        missing = [name for name in config.target_modules if name not in available]
+
+def _lora_targets(model: nn.Module, config: Config, quantized: bool, task: str) -> str | list[str]:
+    """lora.target_modules checked against the model, with all-linear resolved."""
+    lora = config.lora
+    available = linear_module_names(model)
+    if isinstance(lora.target_modules, list):
+        missing = [name for name in lora.target_modules if name not in available]
         if missing:
             raise UserError(
                 f"lora.target_modules: {', '.join(missing)} not in this model; its Linear modules "
-                f"are: {', '.join(available)} (or use 'all-linear')"
-            )
-    targets: str | list[str] = config.target_modules
+                f"are: {', '.join(available)} (or use 'all-linear')")
+        return lora.target_modules
+    if task == SEQ_CLS:  # every linear of the backbone; the head trains in full
+        return [name for name in available if name not in CLASSIFIER_HEADS]
+    return _all_linear_targets(model, quantized)
+
+
+def apply_adapter(model: nn.Module, config: Config, task: str = CAUSAL_LM) -> nn.Module:
+    """The frozen base wrapped with a fresh, trainable adapter of peft.method (fp32 weights);
+    with task SEQ_CLS the classification head trains too."""
+    from peft import get_peft_model
+
+    name = method_of(config)
+    method = ADAPTER_METHODS[name]
     quantized = _quantized(model)
-    if quantized and config.use_dora:
+    if quantized and name == "ia3":
+        raise UserError("peft.method=ia3 scales the outputs of nn.Linear layers, and a quantized "
+                        "base (model.quantize) has none; use peft.method=lora, a prompt-learning "
+                        "method, or model.quantize=none")
+    if quantized and name == "lora" and config.lora.use_dora:
         raise UserError("lora.use_dora=true needs the base weights' norms every step, which a "
                         "quantized base (model.quantize) does not keep; use model.quantize=none or "
                         "plain LoRA (lora.use_dora=false)")
-    if targets == "all-linear":
-        targets = _all_linear_targets(model, quantized)
-    peft_config = ADAPTER_METHODS[method_of(config)](config, targets)
-    if quantized:
+    _warn_unused_sections(config, method)
+    targets = _lora_targets(model, config, quantized, task) if name == "lora" else []
+    peft_config = method.build(config, targets, task)
+    if quantized and name == "lora":
         _with_quantized_layers(peft_config)
     peft_model = get_peft_model(model, peft_config)
     # Adapter weights and their optimizer state stay fp32 even when the frozen base is bf16.
     for param in peft_model.parameters():
         if param.requires_grad:
             param.data = param.data.float()
-    if config.fast_path:
+    if name == "lora" and config.lora.fast_path:
         from cpudist.model.fast_lora import install_fast_path
 
         install_fast_path(peft_model)
     return peft_model
+
+
+def _warn_unused_sections(config: Config, method: Method) -> None:
+    """Settings given for a method the run does not use would silently do nothing: say so."""
+    for section in {m.section for m in ADAPTER_METHODS.values()} - {method.section}:
+        given = getattr(config, section).model_fields_set
+        if given:
+            log.warning("%s set but peft.method=%s does not use them",
+                        ", ".join(f"{section}.{key}" for key in sorted(given)), method_of(config))
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

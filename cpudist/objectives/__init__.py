@@ -4,15 +4,32 @@ interface). OBJECTIVES maps train.objective to its class."""
 from __future__ import annotations
 
 from cpudist.config import Config
+from cpudist.data.formats import objectives_of
+from cpudist.errors import UserError
 from cpudist.objectives.base import Datasets, ModelBatch, Objective, Prompt, Split
 from cpudist.objectives.sft import SFT
 
 OBJECTIVES: dict[str, type[Objective]] = {"sft": SFT}
 
 
+def objective_name(config: Config) -> str:
+    """train.objective, with auto resolved from data.format; a format the objective cannot read
+    is a UserError naming both settings."""
+    allowed = objectives_of(config.data.format)
+    name = config.train.objective
+    if name == "auto":
+        return allowed[0]
+    if name not in allowed:
+        raise UserError(f"train.objective={name} cannot train on data.format={config.data.format} "
+                        f"(its records are for {' or '.join(allowed)}); use train.objective=auto "
+                        "or a data format of that objective")
+    return name
+
+
 def objective_for(config: Config) -> Objective:
-    """The objective train.objective names, for this config."""
-    return OBJECTIVES[config.train.objective](config)
+    """The objective train.objective names (auto: the one data.format calls for)."""
+    return OBJECTIVES[objective_name(config)](config)
 
 
-__all__ = ["OBJECTIVES", "Datasets", "ModelBatch", "Objective", "Prompt", "Split", "objective_for"]
+__all__ = ["OBJECTIVES", "Datasets", "ModelBatch", "Objective", "Prompt", "Split", "objective_for",
+           "objective_name"]

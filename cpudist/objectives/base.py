@@ -5,6 +5,8 @@ and the bench are written once against this interface. An objective says:
 
 - what its data is: `load_data(tokenizer)` gives a training and a validation split (anything with
   `len()` and `lengths()`: the global batch order deals samples to ranks by their lengths);
+- what the model computes: `model_head` (next-token logits by default, or a classifier sized by
+  the data's labels);
 - what a batch is: `make_batch` (training) and `eval_batch` (validation) turn sample indices into
   a Batch: the tensors the loss module takes, its real tokens, its label tokens (the positions
   that carry loss, for throughput) and `weight(batch)`, what the loss is a mean over;
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from cpudist.config import Config
+from cpudist.model.load import LM_HEAD, Head
 
 
 class Split(Protocol):
@@ -83,6 +86,11 @@ class Objective(ABC):
     @abstractmethod
     def load_data(self, tokenizer: Any) -> Datasets:
         """The training and validation splits (every rank calls it; node-wide work is cached)."""
+
+    def model_head(self, tokenizer: Any) -> Head:
+        """What the model computes on top of its backbone (by default next-token logits); asked
+        after load_data, so a head can be sized by the data."""
+        return LM_HEAD
 
     @abstractmethod
     def loss_module(self, model: nn.Module) -> nn.Module:

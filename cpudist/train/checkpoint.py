@@ -2,6 +2,8 @@
 
 Layout of OUTPUT/checkpoints/step-N/:
   adapter/                 PEFT adapter (adapter_config.json + adapter_model.safetensors)
+  trainable.safetensors    every trainable parameter as the model names it: what resume loads (a
+                           P-tuning adapter/ holds the encoder's output, not the encoder)
   optimizer.safetensors    AdamW moments per trainable parameter (keyed by parameter name)
   rng.safetensors          torch RNG state of every rank
   state.json               step, epoch, position in the epoch, world size, optimizer hyperparameters,
@@ -121,6 +123,9 @@ def save_checkpoint(root: Path, model: Any, optimizer: torch.optim.Optimizer,
             model.save_pretrained(tmp / "adapter", safe_serialization=True)
             if annotate is not None:
                 annotate(tmp / "adapter")
+            save_file({name: param.detach().contiguous() for name, param
+                       in model.named_parameters() if param.requires_grad},
+                      str(tmp / "trainable.safetensors"))
             tensors, settings = optimizer_tensors(optimizer, param_names)
             save_file(tensors, str(tmp / "optimizer.safetensors"))
             save_file({f"rank{r}": s["torch"] for r, s in enumerate(rng_states)},
@@ -153,7 +158,8 @@ def save_checkpoint(root: Path, model: Any, optimizer: torch.optim.Optimizer,
 class LoadedCheckpoint:
     path: Path
     state: TrainState
-    adapter_tensors: dict[str, torch.Tensor]
+    adapter_tensors: dict[str, torch.Tensor]  # PEFT's saved adapter (users' format)
+    trainable_tensors: dict[str, torch.Tensor] | None  # the parameters themselves (None: older)
     optimizer_tensors: dict[str, torch.Tensor]
     optimizer_settings: dict[str, Any]
     scheduler_state: dict[str, Any]
@@ -200,13 +206,15 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
         adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"))
         optimizer = load_file(str(path / "optimizer.safetensors"))
         rng = load_file(str(path / "rng.safetensors"))
+        trainable_file = path / "trainable.safetensors"
+        trainable = load_file(str(trainable_file)) if trainable_file.is_file() else None
     except (OSError, ValueError, SafetensorError) as exc:
         raise UserError(f"checkpoint {path} is unreadable ({exc}); resume from an older one with "
                         "train.resume=PATH") from exc
     train = _saved_state(path, payload)
     rng_states = [{"torch": rng[f"rank{r}"], "python": py}
                   for r, py in enumerate(payload["python_rng"])]
-    return LoadedCheckpoint(path, train, adapter, optimizer, payload["optimizer"],
+    return LoadedCheckpoint(path, train, adapter, trainable, optimizer, payload["optimizer"],
                             payload["scheduler"], rng_states)
 
 
@@ -242,11 +250,26 @@ def load_resume(resume: str | None, out: Path, placement: Placement) -> LoadedCh
     return broadcast(rank0_only(placement, read), placement)
 
 
+def load_trainable(model: Any, loaded: LoadedCheckpoint) -> None:
+    """The checkpoint's trainable parameters into the model (PEFT's saved adapter for a
+    checkpoint that has no trainable.safetensors)."""
+    from peft import set_peft_model_state_dict
+
+    if loaded.trainable_tensors is None:
+        set_peft_model_state_dict(model, loaded.adapter_tensors)
+        return
+    wanted = {name for name, param in model.named_parameters() if param.requires_grad}
+    if set(loaded.trainable_tensors) != wanted:
+        extra = sorted(set(loaded.trainable_tensors) ^ wanted)[:3]
+        raise UserError(f"checkpoint {loaded.path} holds other trainable parameters than this run "
+                        f"trains ({', '.join(extra)}, ...); resume with the same model, method "
+                        "and its settings")
+    model.load_state_dict(loaded.trainable_tensors, strict=False)
+
+
 def apply(engine: Engine, loaded: LoadedCheckpoint) -> TrainState:
     """Continue from a loaded checkpoint: adapter, optimizer, schedule and this rank's RNG. A
     checkpoint that does not fit this run stops every rank together."""
-    from peft import set_peft_model_state_dict
-
     placement = engine.placement
 
     def load() -> TrainState:
@@ -256,7 +279,7 @@ def apply(engine: Engine, loaded: LoadedCheckpoint) -> TrainState:
                 f"checkpoint {loaded.path} trained with a global batch of {saved.global_batch} "
                 f"rows and this run's is {engine.global_batch}; resume with the same "
                 "train.global_batch (or the same batch_size x grad_accum x ranks)")
-        set_peft_model_state_dict(engine.model, loaded.adapter_tensors)
+        load_trainable(engine.model, loaded)
         load_optimizer(engine.optimizer, engine.param_names, loaded.optimizer_tensors,
                        loaded.optimizer_settings)
         engine.scheduler.load_state_dict(loaded.scheduler_state)

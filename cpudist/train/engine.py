@@ -30,7 +30,7 @@ from cpudist.data.batches import GlobalBatches
 from cpudist.errors import UserError
 from cpudist.infer.session import Session
 from cpudist.model.adapters import trainable_parameters
-from cpudist.model.load import build_model
+from cpudist.model.load import build_model, load_tokenizer, resolve_model_path
 from cpudist.objectives import Datasets, ModelBatch, Objective, objective_for
 from cpudist.objectives.evaluation import add_sums, allreduce_sums, evaluate, zero_sums
 from cpudist.runtime.comm import CommMeter, agreed, allreduce, gradient_hook
@@ -78,8 +78,13 @@ def build_engine(config: Config, process: Process, data: DataSource | None = Non
     precision = choose_precision(config.model.dtype)
 
     def load() -> tuple[nn.Module, Any, Any, Datasets]:
-        model, tokenizer, model_dir = build_model(config.model, config.lora, precision)
-        datasets = data(tokenizer, model) if data else objective.load_data(tokenizer)
+        # The data first: a classifier's head is sized by the labels the data holds.
+        tokenizer = load_tokenizer(resolve_model_path(config.model), config.model.trust_remote_code)
+        own = objective.load_data(tokenizer) if data is None else None
+        model, tokenizer, model_dir = build_model(config, precision,
+                                                  objective.model_head(tokenizer), tokenizer)
+        datasets = own if data is None else data(tokenizer, model)
+        assert datasets is not None
         return model, tokenizer, model_dir, datasets
 
     model, tokenizer, model_dir, datasets = agreed(process.placement, load)
@@ -133,7 +138,8 @@ class Engine:
         base's files when rank 0 first saves one, then kept."""
         from cpudist.model.provenance import base_record
 
-        return base_record(self.config.model, self.session.model_dir, self.config.lora)
+        return base_record(self.config, self.session.model_dir,
+                           self.objective.model_head(self.session.tokenizer).labels)
 
     @property
     def global_batch(self) -> int:

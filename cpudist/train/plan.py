@@ -117,14 +117,32 @@ def model_parts(config: Config) -> Parts:
                  heads=hf_config.num_attention_heads, eager_attention=eager)
 
 
-def _lora_params(parts: Parts, config: Config) -> int:
-    targets = config.lora.target_modules
-    shapes = parts.linear_shapes
-    if targets != "all-linear":
-        # A list names leaf modules; without the names here, count the share of linears the
-        # usual attention-only lists cover (q, k, v, o: 4 of the 7 linears of a layer).
-        shapes = shapes[: max(1, len(shapes) * len(targets) // 7)]
-    return sum(config.lora.r * (out + in_) for out, in_ in shapes)
+def trainable_params(parts: Parts, config: Config) -> int:
+    """The parameters peft.method trains (the classification head aside: a few thousand)."""
+    method, h = config.peft.method, parts.hidden
+    if method == "lora":
+        targets = config.lora.target_modules
+        shapes = parts.linear_shapes
+        if targets != "all-linear":
+            # A list names leaf modules; without the names here, count the share of linears the
+            # usual attention-only lists cover (q, k, v, o: 4 of the 7 linears of a layer).
+            shapes = shapes[: max(1, len(shapes) * len(targets) // 7)]
+        return sum(config.lora.r * (out + in_) for out, in_ in shapes)
+    if method == "ia3":  # a vector per scaled module: keys, values and the MLP's input
+        return parts.layers * (2 * h + parts.intermediate)
+    virtual = config.prompt.virtual_tokens
+    if method == "prompt_tuning":
+        return virtual * h
+    if method == "p_tuning":
+        e = config.prompt.encoder_hidden_size
+        return virtual * h + h * e + e * e + e * h
+    return virtual * 2 * h * parts.layers  # prefix_tuning: keys and values in every layer
+
+
+def _tokens(config: Config) -> int:
+    """Positions a micro-batch computes: prompt tuning and P-tuning add their virtual tokens."""
+    extra = config.prompt.virtual_tokens if config.peft.method in ("prompt_tuning", "p_tuning") else 0
+    return config.train.batch_size * (config.data.max_length + extra)
 
 
 def estimate(config: Config, parts: Parts, ranks_per_node: int, node_memory: tuple[float, str],
@@ -181,10 +199,10 @@ def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> 
     """Each rank's own GB by part: the adapter and its optimizer state, activations, the loss
     head's buffers, the dequantization buffer, the process."""
     bytes_per = 2 if compute == "bfloat16" else 4
-    tokens = config.train.batch_size * config.data.max_length
+    tokens = _tokens(config)
     rank: dict[str, float] = {}
     ddp = 4 if ranks_per_node > 1 or config.dist.threads_per_rank else 0
-    rank["adapter, gradients, AdamW"] = _lora_params(parts, config) * (16 + ddp) / GB
+    rank["adapter, gradients, AdamW"] = trainable_params(parts, config) * (16 + ddp) / GB
     per_h, per_i = ACTIVATION_BYTES[compute]
     per_layer_token = per_h * parts.hidden + per_i * parts.intermediate
     if config.model.gradient_checkpointing:

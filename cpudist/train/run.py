@@ -194,7 +194,8 @@ def log_setup(engine: Engine) -> None:
     n_total = sum(p.numel() for p in session.model.parameters()) + sum(
         m.in_features * m.out_features for m in session.model.modules()
         if isinstance(m, QuantizedLinear))
-    log.info("LoRA: %s trainable parameters of %s (%.2f%%)", f"{n_train:,}", f"{n_total:,}",
+    log.info("%s: %s trainable parameters of %s (%.2f%%)", engine.config.peft.method,
+             f"{n_train:,}", f"{n_total:,}",
              100 * n_train / n_total)
     log.info("data: %s", engine.data.description)
     log.info("global batch: %d = %d per rank x %d accumulation x %d ranks; %d steps per epoch, "

@@ -82,13 +82,13 @@ def test_bench_instruct_masks_prompts_and_packing_removes_padding(
 
 def test_flop_formula_counts_frozen_lora_attention_and_head(tiny_llama: Path) -> None:
     from cpudist.bench.figures import flop_model
-    from cpudist.config import LoraConfig, ModelConfig
+    from cpudist.config import Config, LoraConfig, ModelConfig
     from cpudist.model.load import build_model
     from cpudist.runtime.precision import choose_precision
 
-    model, _, _ = build_model(ModelConfig(path=str(tiny_llama), dtype="float32",
-                                          share_frozen_weights=False), LoraConfig(r=4),
-                              choose_precision("float32"))
+    model, _, _ = build_model(Config(model=ModelConfig(path=str(tiny_llama), dtype="float32",
+                                                       share_frozen_weights=False),
+                                     lora=LoraConfig(r=4)), choose_precision("float32"))
     config = model.get_base_model().config
     h, i, layers, v = config.hidden_size, config.intermediate_size, config.num_hidden_layers, \
         config.vocab_size

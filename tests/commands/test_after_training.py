@@ -100,7 +100,7 @@ def test_saved_adapter_reloads_with_plain_peft_to_the_trained_weights(trained: d
     # The trained model as the trainer itself rebuilds it on resume: its own model builder plus
     # the LoRA tensors of the final checkpoint.
     config = load_config(None, trained["overrides"])
-    model, _, _ = build_model(config.model, config.lora, choose_precision(config.model.dtype))
+    model, _, _ = build_model(config, choose_precision(config.model.dtype))
     checkpoint = load_checkpoint(trained["out"] / "checkpoints" / f"step-{STEPS}")
     set_peft_model_state_dict(model, checkpoint.adapter_tensors)
 
@@ -286,7 +286,8 @@ def test_generate_answers_with_smollm2_and_a_zero_adapter_changes_nothing(
 
     # A freshly initialised LoRA adapter (B = 0) is the identity: same greedy answer.
     base = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
-    apply_adapter(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(
+    apply_adapter(base, Config(lora=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+                  ).save_pretrained(
         tmp_path / "adapter")
     with_adapter = cli_in_process(capsys, ["generate", "--base", smol_dir, "--adapter",
                         tmp_path / "adapter", "--max-new-tokens", "24", "--dtype", "float32",

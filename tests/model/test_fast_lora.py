@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpudist.config import LoraConfig, ModelConfig
+from cpudist.config import Config, LoraConfig, ModelConfig
 from cpudist.model.fast_lora import LoraUp
 from cpudist.model.load import build_model
 from cpudist.runtime.precision import choose_precision
@@ -21,8 +21,9 @@ def _model(path: Path, cache: Path, fast: bool, dtype: str = "float32",
     # output changes the rounding, and the comparison below has to hold with tolerance.
     settings: dict[str, object] = {"r": 4, "alpha": 6.0, "dropout": 0.0, **lora}
     model, _, _ = build_model(
-        ModelConfig(path=str(path), dtype=dtype, share_frozen_weights=False, cache_dir=str(cache)),
-        LoraConfig(fast_path=fast, **settings), choose_precision(dtype))
+        Config(model=ModelConfig(path=str(path), dtype=dtype, share_frozen_weights=False,
+                                 cache_dir=str(cache)),
+               lora=LoraConfig(fast_path=fast, **settings)), choose_precision(dtype))
     generator = torch.Generator().manual_seed(1)
     for name, param in model.named_parameters():
         if "lora_B" in name:  # random B: the adapter's branch contributes, both matrices learn

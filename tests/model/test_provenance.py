@@ -141,10 +141,10 @@ def test_moved_base_is_named_in_a_one_line_error(trained: dict, tmp_path: Path) 
 
 @pytest.mark.slow
 def test_a_moved_builtin_base_is_converted_again(smol_dir: Path, tmp_path: Path) -> None:
-    from cpudist.config import LoraConfig, ModelConfig
+    from cpudist.config import Config, ModelConfig
     from cpudist.model.provenance import base_record
 
-    record = base_record(ModelConfig(path="smollm2-135m-instruct"), smol_dir, LoraConfig())
+    record = base_record(Config(model=ModelConfig(path="smollm2-135m-instruct")), smol_dir)
     assert record["hub_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "NOT bit-identical" in record["hub_note"]
     record["base_path"] = str(tmp_path / "other-machine" / "smollm2-135m-instruct")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpudist.config import LoraConfig, ModelConfig
+from cpudist.config import Config, LoraConfig, ModelConfig
 from cpudist.data.batches import collate
 from cpudist.errors import UserError
 from cpudist.model.load import build_model
@@ -76,8 +76,9 @@ def test_layer_computes_what_linear_computes_with_the_restored_weight(method: st
 def _quantized(model_dir: Path, cache: Path, method: str, dtype: str = "float32") -> torch.nn.Module:
     torch.manual_seed(0)
     model, _, _ = build_model(
-        ModelConfig(path=str(model_dir), dtype=dtype, quantize=method, quantize_group=32,
-                    cache_dir=str(cache)), LoraConfig(r=4, dropout=0.0), choose_precision(dtype))
+        Config(model=ModelConfig(path=str(model_dir), dtype=dtype, quantize=method,
+                                 quantize_group=32, cache_dir=str(cache)),
+               lora=LoraConfig(r=4, dropout=0.0)), choose_precision(dtype))
     return model
 
 
@@ -139,9 +140,10 @@ def test_cache_key_follows_the_files(tiny_qwen: Path, tmp_path: Path) -> None:
 def test_a_group_that_does_not_divide_the_columns_is_refused(tiny_qwen: Path,
                                                              tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"model.quantize_group=48.*choose a group that divides"):
-        build_model(ModelConfig(path=str(tiny_qwen), dtype="float32", quantize="int4",
-                                quantize_group=48, cache_dir=str(tmp_path)),
-                    LoraConfig(r=4), choose_precision("float32"))
+        build_model(Config(model=ModelConfig(path=str(tiny_qwen), dtype="float32",
+                                             quantize="int4", quantize_group=48,
+                                             cache_dir=str(tmp_path)), lora=LoraConfig(r=4)),
+                    choose_precision("float32"))
 
 
 @pytest.mark.slow

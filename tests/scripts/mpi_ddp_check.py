@@ -57,8 +57,7 @@ def check(path: str, model_dir: str, data_file: str, cache: str) -> None:
         "train.batch_size=2", "train.grad_accum=2", "train.loss_chunk_size=0",
     ])
     torch.manual_seed(config.train.seed)
-    peft_model, tokenizer, _ = build_model(config.model, config.lora,
-                                           choose_precision(config.model.dtype))
+    peft_model, tokenizer, _ = build_model(config, choose_precision(config.model.dtype))
     train_data, _, _ = build_datasets(config.data, tokenizer, config.train.seed)
     module = CausalLMLoss(peft_model, config.train.loss_chunk_size)
     params = [p for _, p in trainable_parameters(module)]
