@@ -30,12 +30,13 @@ COMMANDS = {
     "export": "cpudist.commands.export",
     "generate": "cpudist.commands.generate",
     "eval": "cpudist.commands.eval",
+    "predict": "cpudist.commands.predict",
     "report": "cpudist.commands.report",
 }
 
 # Commands that train or run a model: they run on the chosen malloc (cpudist.runtime.allocator),
 # set up before their module (and torch) is even imported.
-COMPUTE_COMMANDS = ("train", "bench", "merge", "export", "generate", "eval")
+COMPUTE_COMMANDS = ("train", "bench", "merge", "export", "generate", "eval", "predict")
 
 
 def _flag_value(argv: Sequence[str], flag: str) -> str | None:

@@ -4,6 +4,8 @@
   final evaluation, a restart written by `cpudist launch --restarts`).
 - RunSummary: OUTPUT/summary.json, what `cpudist train` returns and report.html shows.
 - DataEvalResult, TaskEvalResult: `cpudist eval --data` and `--task` (OUTPUT/eval.json).
+- ClassificationReport: a classifier's labels, thresholds and validation figures
+  (ADAPTER/classification.json, `cpudist eval --data` on classification rows).
 - BenchResult: the figures of one `cpudist bench` run (or of its HF peer), computed for both by
   cpudist.bench.figures.throughput_figures.
 
@@ -251,6 +253,49 @@ class TaskEvalResult:
                 line += f" -> adapter {100 * after:.1f}%"
             lines.append(f"{line}  ({self.items} items)")
         return lines
+
+
+# --------------------------------------------------------------------------- classification
+
+CLASSIFICATION_FILE = "classification.json"  # beside a classifier's adapter
+
+
+@dataclass
+class ClassificationReport:
+    """A classifier's labels and what a validation (or `cpudist eval --data`) found: the figures,
+    the confusion matrix (single-label), each label's F1 and, multi-label, its chosen decision
+    threshold. ADAPTER/classification.json, which `cpudist predict` and report.html read."""
+
+    labels: list[str]
+    multi_label: bool
+    figures: dict[str, float]
+    confusion: list[list[int]] | None = None  # [true label][predicted label]
+    thresholds: list[float] = field(default_factory=list)
+    per_label: dict[str, dict[str, float]] = field(default_factory=dict)
+    rows: int = 0
+    data: str | None = None  # `cpudist eval --data`: the file
+    adapter: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ClassificationReport:
+        return cls(**{"labels": [], "multi_label": False, "figures": {}, **_known(cls, data)})
+
+    @classmethod
+    def read(cls, path: Path) -> ClassificationReport:
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise UserError(f"{path}: not a readable classification record ({exc}); it is "
+                            "written beside the adapter by cpudist train") from exc
+
+    def line(self) -> str:
+        shown = ", ".join(f"{name.removeprefix('val_').replace('_', ' ')} {value:.4f}"
+                          for name, value in self.figures.items())
+        kind = "multi-label" if self.multi_label else "single-label"
+        return f"{shown}  ({self.rows} rows, {len(self.labels)} labels, {kind})"
 
 
 # --------------------------------------------------------------------------- cpudist bench

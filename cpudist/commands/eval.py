@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from cpudist.commands.common import (
     add_model_arguments,
@@ -12,6 +13,7 @@ from cpudist.commands.common import (
     positive_int,
     trained_model,
 )
+from cpudist.errors import UserError
 
 HELP = "loss, perplexity and token accuracy on a data file, or accuracy on a task"
 DESCRIPTION = ("Evaluate base (+ adapter) on --data FILE with the trainer's own validation code "
@@ -76,12 +78,36 @@ def run(args: argparse.Namespace) -> int:
                         max_length=settings["data.max_length"],
                         system_prompt=settings["data.system_prompt"], val_fraction=0.0),
         train=TrainConfig(batch_size=settings["train.batch_size"], eval_batches=args.max_batches))
+    classifier = _is_classifier(chosen.adapter, settings["data.format"])
     with start_process(DistConfig()) as process:
         session = open_session(config, process, chosen.adapter)
+        if classifier:
+            from cpudist.infer.classify import evaluate_labelled
+
+            report = evaluate_labelled(session, args.max_batches)
+            report.adapter = args.adapter
+            print(json.dumps(report.to_json()) if args.json else report.line())
+            return 0
         result = evaluate_file(session, args.max_batches)
     result.adapter = args.adapter
     print(json.dumps(result.to_json()) if args.json else result.line())
     return 0
+
+
+def _is_classifier(adapter: Path | None, data_format: str) -> bool:
+    """Whether --adapter is a classifier (scored on classification rows); a classification file
+    with a generative model, or the reverse, is a one-line error."""
+    from cpudist.model.adapters import SEQ_CLS
+    from cpudist.model.provenance import saved_head
+
+    classifier = adapter is not None and saved_head(adapter).task == SEQ_CLS
+    if classifier and data_format != "classification":
+        raise UserError(f"--adapter {adapter} is a classifier; evaluate it on rows of "
+                        "--format classification ({'text': ..., 'label': ...})")
+    if not classifier and data_format == "classification":
+        raise UserError("--format classification scores a classifier: pass --adapter OUTPUT/"
+                        "adapter of a run with train.objective=classification")
+    return classifier
 
 
 def _run_task(args: argparse.Namespace) -> int:

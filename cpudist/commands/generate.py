@@ -34,9 +34,11 @@ def run(args: argparse.Namespace) -> int:
     from cpudist.config import Config, DistConfig
     from cpudist.infer.generate import generate, prompt_ids
     from cpudist.infer.session import open_session
+    from cpudist.model.adapters import check_generative
     from cpudist.runtime.process import start_process
 
     chosen = trained_model(args, args.dtype, {"data.system_prompt": args.system})
+    check_generative(chosen.adapter, "cpudist generate")
     with start_process(DistConfig()) as process:
         session = open_session(Config(model=chosen.model), process, chosen.adapter)
         ids = prompt_ids(session.tokenizer, args.prompt, chosen.settings["data.system_prompt"])

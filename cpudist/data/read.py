@@ -11,19 +11,25 @@ from cpudist.files import file_lock, replacing
 from cpudist.jsonl import read_jsonl
 
 BUILTIN_CORPORA = {"chatterbot:english": "english", "chatterbot:chinese": "chinese"}
+# The corpus's questions labelled by the topic file they come from (data.format=classification).
+BUILTIN_TOPICS = {"chatterbot-topics:english": "english", "chatterbot-topics:chinese": "chinese"}
 
 
-def _chatterbot_to_jsonl(language: str, target: Path) -> None:
-    """Write the chatterbot-corpus QA pairs of one language as chat-format JSON lines."""
+def _chatterbot_folder(language: str) -> Path:
     import importlib.util
-
-    import yaml
 
     spec = importlib.util.find_spec("chatterbot_corpus")  # locates, does not import
     if spec is None or not spec.submodule_search_locations:
         raise UserError("data.path=chatterbot:* needs the chatterbot-corpus package: "
                         "pip install --no-deps 'chatterbot-corpus==1.3.3'")
-    folder = Path(next(iter(spec.submodule_search_locations))) / "data" / language
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / language
+
+
+def _chatterbot_to_jsonl(language: str, target: Path) -> None:
+    """Write the chatterbot-corpus QA pairs of one language as chat-format JSON lines."""
+    import yaml
+
+    folder = _chatterbot_folder(language)
     seen: set[tuple[str, str]] = set()
     rows = []
     for file in sorted(folder.glob("*.yml")):
@@ -42,7 +48,35 @@ def _chatterbot_to_jsonl(language: str, target: Path) -> None:
                        encoding="utf-8")
 
 
+def _chatterbot_topics(language: str, target: Path) -> None:
+    """Write each conversation's opening question with its topic (the corpus file it is in:
+    ai, food, sports, ...) as classification JSON lines. A question is written once per topic
+    (the corpus repeats some, e.g. 1,050 tech-support conversations open with 10 questions),
+    so that no held-out question was also trained on."""
+    import yaml
+
+    seen: set[tuple[str, str]] = set()
+    rows = []
+    for file in sorted(_chatterbot_folder(language).glob("*.yml")):
+        doc = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        for conversation in doc.get("conversations", []):
+            if isinstance(conversation, list) and conversation and str(conversation[0]).strip():
+                question = str(conversation[0]).strip()
+                if (question, file.stem) not in seen:
+                    seen.add((question, file.stem))
+                    rows.append({"text": question, "label": file.stem})
+    with replacing(target) as tmp:
+        tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows),
+                       encoding="utf-8")
+
+
 def resolve_data_path(path: str, cache_dir: str) -> Path:
+    if path in BUILTIN_TOPICS:
+        target = Path(cache_dir) / f"chatterbot-topics-{BUILTIN_TOPICS[path]}.jsonl"
+        with file_lock(target.with_suffix(".lock")):
+            if not target.exists():
+                _chatterbot_topics(BUILTIN_TOPICS[path], target)
+        return target
     if path in BUILTIN_CORPORA:
         target = Path(cache_dir) / f"chatterbot-{BUILTIN_CORPORA[path]}.jsonl"
         with file_lock(target.with_suffix(".lock")):
@@ -52,7 +86,8 @@ def resolve_data_path(path: str, cache_dir: str) -> Path:
     resolved = Path(path).expanduser()
     if not resolved.exists():
         raise UserError(f"data file {path} not found (data.path); give a .jsonl, .json or .parquet "
-                        "file, a saved datasets directory, or chatterbot:english")
+                        "file, a saved datasets directory, chatterbot:english, or (topic "
+                        "classification) chatterbot-topics:english")
     return resolved
 
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from cpudist.config import Config
 from cpudist.model.adapters import resolve_adapter
-from cpudist.model.load import load_for_inference
+from cpudist.model.load import LM_HEAD, Head, load_for_inference
+from cpudist.model.provenance import saved_head
 from cpudist.runtime.precision import Precision, choose_precision
 from cpudist.runtime.process import Process
 
@@ -26,6 +27,7 @@ class Session:
     model: nn.Module  # the peft model (base + adapter)
     tokenizer: Any
     model_dir: Path
+    head: Head = LM_HEAD  # what the model computes: next-token logits, or a classifier's labels
 
     @property
     def pad_id(self) -> int:
@@ -38,5 +40,7 @@ def open_session(config: Config, process: Process, adapter: str | Path | None = 
     flag: the option that named the base, for errors about it."""
     adapter_dir = resolve_adapter(str(adapter)) if adapter else None  # fail before the slow load
     precision = choose_precision(config.model.dtype)
-    model, tokenizer, model_dir = load_for_inference(config.model, adapter_dir, precision, flag)
-    return Session(config, process, precision, model, tokenizer, model_dir)
+    head = saved_head(adapter_dir) if adapter_dir is not None else LM_HEAD
+    model, tokenizer, model_dir = load_for_inference(config.model, adapter_dir, precision, flag,
+                                                     head)
+    return Session(config, process, precision, model, tokenizer, model_dir, head)

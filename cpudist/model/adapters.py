@@ -110,9 +110,26 @@ def saved_method(adapter_dir: Path) -> str:
             "prefix_tuning": "prefix_tuning", "ia3": "ia3"}.get(peft_type, "lora")
 
 
+def saved_task(adapter_dir: Path) -> str:
+    """What a saved adapter's model computes: CAUSAL_LM or SEQ_CLS (its peft task_type)."""
+    import json
+
+    return str(json.loads((adapter_dir / "adapter_config.json").read_text()).get("task_type")
+               or CAUSAL_LM)
+
+
+def check_generative(adapter_dir: Path | None, what: str) -> None:
+    """A one-line error when the adapter is a classifier: `what` (a command) needs text out."""
+    if adapter_dir is not None and saved_task(adapter_dir) == SEQ_CLS:
+        raise UserError(f"{what}: {adapter_dir} is a classifier (its head scores labels; it writes "
+                        f"no text); run it with `cpudist predict --adapter {adapter_dir} --data "
+                        "FILE` or `cpudist eval`")
+
+
 def check_mergeable(adapter_dir: Path, what: str) -> str:
     """The saved adapter's method; a one-line error when it cannot be folded into its base
     (`what`: the command that wants to, for the message)."""
+    check_generative(adapter_dir, what)
     name = saved_method(adapter_dir)
     if not ADAPTER_METHODS[name].mergeable:
         raise UserError(f"{what}: {adapter_dir} is a {name} adapter, whose virtual tokens are not "

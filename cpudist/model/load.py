@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +287,8 @@ def load_for_inference(config: ModelConfig, adapter_dir: Path | None, precision:
         raise UserError(str(exc).replace(f"model.path={config.path!r}", f"{flag} {config.path}")
                         ) from exc
     tokenizer = load_tokenizer(path, config.trust_remote_code)
+    if head.task == SEQ_CLS:  # a decoder's classifier finds each row's end by the pad id
+        head = replace(head, pad_token_id=tokenizer.pad_token_id)
     model = load_base_model(config, path, precision, head=head)
     if adapter_dir is not None:
         model = load_adapter(model, adapter_dir, base_name=config.path)

@@ -24,7 +24,8 @@ from typing import Any
 
 from cpudist.config import Config, LoraConfig, ModelConfig
 from cpudist.errors import UserError
-from cpudist.model.load import BUILTIN_MODELS, BUILTIN_ORIGINS, resolve_model_path
+from cpudist.model.adapters import SEQ_CLS
+from cpudist.model.load import BUILTIN_MODELS, BUILTIN_ORIGINS, LM_HEAD, Head, resolve_model_path
 from cpudist.model.safetensors_io import read_header, weight_files
 
 RECORD = "cpudist_base.json"
@@ -121,9 +122,9 @@ def adapter_record(config: Config) -> dict[str, Any]:
     return {"method": name, "settings": getattr(config, section).model_dump(mode="json")}
 
 
-def base_record(config: Config, model_dir: Path, labels: tuple[str, ...] = ()) -> dict[str, Any]:
+def base_record(config: Config, model_dir: Path, head: Head = LM_HEAD) -> dict[str, Any]:
     """What cpudist_base.json holds for a run of `config` on its base (resolved to model_dir);
-    `labels`: a classifier's label names, in the order of its head's outputs."""
+    a classifier's `head` is recorded by its label names (in the order of its outputs)."""
     model = config.model
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     builtin = model.path if model.path in BUILTIN_MODELS else None
@@ -138,7 +139,8 @@ def base_record(config: Config, model_dir: Path, labels: tuple[str, ...] = ()) -
         "quantize": None if model.quantize == "none" else
         {"method": model.quantize, "group": model.quantize_group},
         **adapter_record(config),
-        "labels": list(labels) if labels else None,
+        "labels": list(head.labels) if head.task == SEQ_CLS else None,
+        "multi_label": head.multi_label,
     }
 
 
@@ -155,6 +157,20 @@ def read_record(adapter_dir: Path) -> dict[str, Any] | None:
         raise UserError(f"{path}: not a readable base record ({exc}); delete it to load the "
                         "adapter without checks, or copy the adapter directory again") from exc
     return record
+
+
+def saved_head(adapter_dir: Path) -> Head:
+    """The head a saved adapter was trained with: a classifier's labels come from its base record
+    (PEFT saves the head's weights, not its label names)."""
+    task = json.loads((Path(adapter_dir) / "adapter_config.json").read_text()).get("task_type")
+    if task != SEQ_CLS:
+        return LM_HEAD
+    record = read_record(adapter_dir)
+    if record is None or not record.get("labels"):
+        raise UserError(f"--adapter {adapter_dir}: a sequence-classification adapter without the "
+                        f"label names of its head ({RECORD} with 'labels'); pass OUTPUT/adapter "
+                        "of a cpudist train run with train.objective=classification")
+    return Head(SEQ_CLS, tuple(record["labels"]), bool(record.get("multi_label")))
 
 
 def _adapter_lines(record: dict[str, Any]) -> tuple[list[str], list[str]]:

@@ -7,9 +7,10 @@ from cpudist.config import Config
 from cpudist.data.formats import objectives_of
 from cpudist.errors import UserError
 from cpudist.objectives.base import Datasets, ModelBatch, Objective, Prompt, Split
+from cpudist.objectives.classification import Classification
 from cpudist.objectives.sft import SFT
 
-OBJECTIVES: dict[str, type[Objective]] = {"sft": SFT}
+OBJECTIVES: dict[str, type[Objective]] = {"sft": SFT, "classification": Classification}
 
 
 def objective_name(config: Config) -> str:

@@ -18,6 +18,8 @@ from cpudist.errors import UserError
 from cpudist.files import write_text
 from cpudist.jsonl import read_jsonl
 from cpudist.records import (
+    CLASSIFICATION_FILE,
+    ClassificationReport,
     MetricsLine,
     RestartEvent,
     RunSummary,
@@ -180,6 +182,35 @@ def _task_table(tasks: dict[str, TaskEvalResult]) -> str:
     return f"<table>{head}{''.join(rows)}</table>"
 
 
+def _classification_tables(report: ClassificationReport) -> list[str]:
+    """A classifier's last validation: each label's F1 (and threshold), and the confusion matrix
+    (rows: true label, columns: predicted)."""
+    names = report.labels
+    per_label = "".join(
+        f"<tr><td>{html.escape(name)}</td>"
+        + "".join(f"<td>{html.escape(_fmt(report.per_label.get(name, {}).get(key)))}</td>"
+                  for key in ("support", "f1", "threshold", "f1_at_threshold")
+                  if report.multi_label or key in ("support", "f1"))
+        + "</tr>" for name in names)
+    columns = ["label", "rows", "F1"] + (["threshold", "F1 at threshold"] if report.multi_label
+                                         else [])
+    parts = ["<h2>Classification (validation after training)</h2>",
+             _table([(name.removeprefix("val_").replace("_", " "), value)
+                     for name, value in report.figures.items()]),
+             "<table><tr>" + "".join(f"<th>{c}</th>" for c in columns) + f"</tr>{per_label}</table>"]
+    if report.confusion:
+        diagonal = ' style="background:#e6f4e6"'  # the rows predicted right
+        head = "<tr><th>true / predicted</th>" + "".join(
+            f"<th>{html.escape(n)}</th>" for n in names) + "</tr>"
+        body = "".join(
+            f"<tr><th>{html.escape(name)}</th>" + "".join(
+                f"<td{diagonal if i == j else ''}>{count}</td>" for j, count in enumerate(row))
+            + "</tr>"
+            for i, (name, row) in enumerate(zip(names, report.confusion, strict=True)))
+        parts += ["<h3>Confusion matrix</h3>", f"<table>{head}{body}</table>"]
+    return parts
+
+
 def _summary_tables(summary: RunSummary | None, records: list[MetricsLine]) -> list[str]:
     """The final figures and the environment of a run, as HTML tables."""
     steps = [r.step for r in records if isinstance(r, StepRecord)]
@@ -209,14 +240,16 @@ def _summary_tables(summary: RunSummary | None, records: list[MetricsLine]) -> l
 
 
 def render_html(records: list[MetricsLine], summary: RunSummary | None, config_text: str,
-                images: list[Path], title: str, tasks: dict[str, TaskEvalResult] | None = None
-                ) -> str:
+                images: list[Path], title: str, tasks: dict[str, TaskEvalResult] | None = None,
+                classification: ClassificationReport | None = None) -> str:
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>", *_summary_tables(summary, records),
         "<h2>Plots</h2>", *(_embedded_image(p, p.stem) for p in images),
     ]
+    if classification is not None:
+        parts += _classification_tables(classification)
     if tasks:
         parts += ["<h2>Task evaluation (cpudist eval --task)</h2>", _task_table(tasks)]
     if restarts(records):
@@ -240,8 +273,10 @@ def write_report(out_dir: Path) -> Path:
     images = write_plots(records, summary, out_dir)
     target = out_dir / "report.html"
     tasks = read_eval(out_dir / EVAL_FILE)
+    saved = out_dir / "adapter" / CLASSIFICATION_FILE
+    classification = ClassificationReport.read(saved) if saved.is_file() else None
     write_text(target, render_html(records, summary, config_text, images,
-                                   f"cpudist run: {out_dir.name}", tasks))
+                                   f"cpudist run: {out_dir.name}", tasks, classification))
     return target
 
 

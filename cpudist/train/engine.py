@@ -88,7 +88,8 @@ def build_engine(config: Config, process: Process, data: DataSource | None = Non
         return model, tokenizer, model_dir, datasets
 
     model, tokenizer, model_dir, datasets = agreed(process.placement, load)
-    session = Session(config, process, precision, model, tokenizer, model_dir)
+    session = Session(config, process, precision, model, tokenizer, model_dir,
+                      objective.model_head(tokenizer))
     return Engine(session, objective, datasets, total_steps)
 
 
@@ -139,7 +140,7 @@ class Engine:
         from cpudist.model.provenance import base_record
 
         return base_record(self.config, self.session.model_dir,
-                           self.objective.model_head(self.session.tokenizer).labels)
+                           self.objective.model_head(self.session.tokenizer))
 
     @property
     def global_batch(self) -> int:

@@ -1,0 +1,54 @@
+"""`cpudist predict --adapter DIR --data FILE --out preds.jsonl`: a classifier's labels and scores
+for each row of a file."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from cpudist.commands.common import add_model_arguments, positive_int, trained_model
+
+HELP = "a trained classifier's labels and scores for the rows of a file"
+DESCRIPTION = ("Each row of --data (a 'text' field, optionally 'text_pair'; other fields are kept, "
+               "a given 'label'/'labels' as given_label/given_labels) is written to --out with the "
+               "predicted 'label' (or, multi-label, 'labels': those at or above their threshold "
+               "in the adapter's classification.json) and every label's probability in 'scores'.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, adapter_required=True)
+    parser.add_argument("--data", required=True, metavar="FILE",
+                        help=".jsonl/.json/.parquet or a saved datasets directory of rows with "
+                             "'text'")
+    parser.add_argument("--out", required=True, metavar="FILE", help="predictions (.jsonl)")
+    parser.add_argument("--batch-size", type=positive_int, metavar="N",
+                        help="rows per forward (default: train.batch_size of the adapter's run)")
+    parser.add_argument("--max-length", type=positive_int, metavar="N",
+                        help="data.max_length (default: the adapter's run)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+                        help="model.dtype (default: the adapter's run, else auto)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cpudist.config import Config, DataConfig, DistConfig
+    from cpudist.errors import UserError
+    from cpudist.infer.classify import predict_rows, write_predictions
+    from cpudist.infer.session import open_session
+    from cpudist.model.adapters import SEQ_CLS, saved_task
+    from cpudist.runtime.process import start_process
+
+    chosen = trained_model(args, args.dtype, {"train.batch_size": args.batch_size,
+                                              "data.max_length": args.max_length})
+    assert chosen.adapter is not None
+    if saved_task(chosen.adapter) != SEQ_CLS:
+        raise UserError(f"--adapter {chosen.adapter} is not a classifier (it generates text); use "
+                        "`cpudist generate`, or train one with train.objective=classification")
+    settings = chosen.settings
+    config = Config(model=chosen.model, data=DataConfig(
+        path=args.data, format="classification", max_length=settings["data.max_length"]))
+    with start_process(DistConfig()) as process:
+        session = open_session(config, process, chosen.adapter)
+        rows = predict_rows(session, chosen.adapter, settings["train.batch_size"])
+    write_predictions(rows, Path(args.out))
+    print(f"{len(rows)} predictions written to {args.out}")
+    return 0
