@@ -40,6 +40,10 @@ class ModelConfig(_Section):
     quantize: Literal["none", "int8", "int4"] = "none"
     quantize_group: int = Field(64, gt=0)
     cache_dir: str = ".cache/models"
+    # An adapter directory to start from instead of a fresh adapter (its weights as the start; the
+    # lora section must describe it): SFT -> DPO, or more SFT. DPO's reference is then the base +
+    # this adapter, frozen.
+    init_adapter: str | None = None
 
 
 class LoraConfig(_Section):
@@ -96,8 +100,8 @@ class DataConfig(_Section):
 
 class TrainConfig(_Section):
     # What the run trains for (a name in cpudist.objectives.OBJECTIVES): sft = next-token
-    # cross-entropy on the answer tokens.
-    objective: Literal["sft"] = "sft"
+    # cross-entropy on the answer tokens; dpo, orpo = preference pairs (the preference section).
+    objective: Literal["sft", "dpo", "orpo"] = "sft"
     seed: int = 42
     epochs: int = Field(1, gt=0)
     # When set, the run stops after this many optimizer steps (epochs repeat as needed).
@@ -149,6 +153,21 @@ class TrainConfig(_Section):
         raise ValueError("needs a positive integer or auto")
 
 
+class PreferenceConfig(_Section):
+    """Preference tuning (train.objective=dpo or orpo, data.format=preference)."""
+
+    # DPO: how far the policy may move from the reference (the rewards are beta x the log-ratio).
+    beta: float = Field(0.1, gt=0)
+    # DPO: the probability that a pair's preference is flipped (conservative DPO); 0 = plain DPO.
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    # ORPO: the weight of the odds-ratio term beside the SFT loss on the chosen answers.
+    orpo_lambda: float = Field(0.1, gt=0)
+    # DPO's reference log-probabilities: precomputed (one pass before training, cached with the
+    # tokenized data), per_step (a second, gradient-free forward each step), or auto (precomputed
+    # when the run reaches every training pair at least once, per_step otherwise).
+    reference: Literal["auto", "precomputed", "per_step"] = "auto"
+
+
 class DistConfig(_Section):
     # auto = ccl when oneccl_bindings_for_pytorch imports, else gloo. mpi = gloo group plus
     # gradient allreduce over mpi4py.
@@ -180,6 +199,7 @@ class Config(_Section):
     lora: LoraConfig = LoraConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    preference: PreferenceConfig = PreferenceConfig()
     dist: DistConfig = DistConfig()
     output: OutputConfig = OutputConfig()
 
@@ -290,7 +310,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             loaded = {}
         if not isinstance(loaded, dict):
             raise UserError(f"{path}: the top level must be a mapping of sections "
-                            "(model, lora, data, train, dist, output)")
+                            "(model, lora, data, train, preference, dist, output)")
         data = loaded
         lines = _key_lines(text)
     override_keys: set[str] = set()

@@ -1,14 +1,17 @@
 """Data formats: one function per format turns a record into a sample, registered in FORMATS.
 
 A sample is a conversation (a list of {role, content} messages; only assistant turns carry loss)
-or a plain string (every token carries loss). To add a format, write `def name(row, where)` that
-returns one, raising UserError that names `where` (FILE:LINE) for a record that does not fit, and
-register it in FORMATS: `data.format=name` then reads it, and the config accepts the name.
+or a plain string (every token carries loss); the preference format gives a PreferencePair (a
+prompt, a chosen and a rejected answer) for train.objective=dpo or orpo. To add a format, write
+`def name(row, where)` that returns one, raising UserError that names `where` (FILE:LINE) for a
+record that does not fit, and register it in FORMATS: `data.format=name` then reads it, and the
+config accepts the name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from cpudist.errors import UserError
@@ -61,12 +64,53 @@ def text(row: dict[str, Any], where: str) -> str:
     return str(row["text"])
 
 
+@dataclass(frozen=True)
+class PreferencePair:
+    """A prompt and two answers to it, the chosen one better (train.objective=dpo or orpo).
+    A conversation's prompt is rendered with the chat template; a plain string is plain text."""
+
+    prompt: Messages | str
+    chosen: str
+    rejected: str
+
+
+def _answer(value: Any, key: str, where: str) -> str:
+    """An answer given as a string, or as TRL writes it: a list of one assistant message."""
+    if isinstance(value, str):
+        return value
+    if (isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict)
+            and value[0].get("role") == "assistant" and "content" in value[0]):
+        return str(value[0]["content"])
+    raise UserError(f"{where}: '{key}' must be a string or a list of one assistant message "
+                    "[{\"role\": \"assistant\", \"content\": ...}]")
+
+
+def preference(row: dict[str, Any], where: str) -> PreferencePair:
+    """'prompt' (a string, or chat messages), 'chosen' and 'rejected' (strings, or a list of one
+    assistant message each): a pair for train.objective=dpo or orpo."""
+    missing = [key for key in ("prompt", "chosen", "rejected") if row.get(key) is None]
+    if missing:
+        raise UserError(f"{where}: data.format=preference needs fields prompt, chosen and rejected; "
+                        f"missing {', '.join(missing)}")
+    chosen = _answer(row["chosen"], "chosen", where)
+    rejected = _answer(row["rejected"], "rejected", where)
+    prompt = row["prompt"]
+    if isinstance(prompt, list):
+        prompt = chat({"messages": prompt}, where)
+    elif not isinstance(prompt, str):
+        raise UserError(f"{where}: 'prompt' must be a string or a list of {{role, content}} messages")
+    elif not isinstance(row["chosen"], str):  # answers as messages: the prompt is a user turn
+        prompt = [{"role": "user", "content": prompt}]
+    return PreferencePair(prompt, chosen, rejected)
+
+
 # data.format name -> the function that reads a record of that format.
-FORMATS: dict[str, Callable[[dict[str, Any], str], Sample]] = {
-    "alpaca": alpaca, "chat": chat, "text": text}
+FORMATS: dict[str, Callable[[dict[str, Any], str], Sample | PreferencePair]] = {
+    "alpaca": alpaca, "chat": chat, "text": text, "preference": preference}
 
 
-def to_sample(row: dict[str, Any], fmt: str, where: str, system: str | None) -> Sample:
+def to_sample(row: dict[str, Any], fmt: str, where: str, system: str | None
+              ) -> Sample | PreferencePair:
     """The record as a sample of format fmt, with the system prompt first in a conversation."""
     sample = FORMATS[fmt](row, where)
     if isinstance(sample, list) and system and (not sample or sample[0]["role"] != "system"):

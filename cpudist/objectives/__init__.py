@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from cpudist.config import Config
 from cpudist.objectives.base import Datasets, ModelBatch, Objective, Prompt, Split
+from cpudist.objectives.preference import DPO, ORPO
 from cpudist.objectives.sft import SFT
 
-OBJECTIVES: dict[str, type[Objective]] = {"sft": SFT}
+OBJECTIVES: dict[str, type[Objective]] = {"sft": SFT, "dpo": DPO, "orpo": ORPO}
 
 
 def objective_for(config: Config) -> Objective:

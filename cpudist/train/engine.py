@@ -30,6 +30,7 @@ from cpudist.data.batches import GlobalBatches
 from cpudist.errors import UserError
 from cpudist.infer.session import Session
 from cpudist.model.adapters import trainable_parameters
+from cpudist.model.init_adapter import apply_init_adapter, resolve_init_adapter
 from cpudist.model.load import build_model
 from cpudist.objectives import Datasets, ModelBatch, Objective, objective_for
 from cpudist.objectives.evaluation import add_sums, allreduce_sums, evaluate, zero_sums
@@ -79,6 +80,9 @@ def build_engine(config: Config, process: Process, data: DataSource | None = Non
 
     def load() -> tuple[nn.Module, Any, Any, Datasets]:
         model, tokenizer, model_dir = build_model(config.model, config.lora, precision)
+        if config.model.init_adapter:
+            apply_init_adapter(model, resolve_init_adapter(config.model.init_adapter), config.lora,
+                               model_dir)
         datasets = data(tokenizer, model) if data else objective.load_data(tokenizer)
         return model, tokenizer, model_dir, datasets
 

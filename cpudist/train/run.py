@@ -164,6 +164,7 @@ def set_up(resolved: Resolved, process: Process, stop: StopFlag) -> Run:
              else checkpoint.TrainState(world_size=placement.world_size,
                                         global_batch=engine.global_batch))
     resolved.checkpoint = None  # applied: its tensors need not stay in memory
+    engine.objective.prepare(engine)  # e.g. DPO's reference pass, before any step or validation
     faults.install(engine.loss, config.train.grad_accum, state.step)
     out = Path(config.output.dir)
     metrics = None
