@@ -3,7 +3,8 @@
 - StepRecord, EvalRecord, RestartEvent: the lines of OUTPUT/metrics.jsonl (a training step, the
   final evaluation, a restart written by `cpudist launch --restarts`).
 - RunSummary: OUTPUT/summary.json, what `cpudist train` returns and report.html shows.
-- DataEvalResult, TaskEvalResult: `cpudist eval --data` and `--task` (OUTPUT/eval.json).
+- DataEvalResult, PreferenceEvalResult, TaskEvalResult: `cpudist eval --data` (a preference
+  file: PreferenceEvalResult) and `--task` (OUTPUT/eval.json).
 - BenchResult: the figures of one `cpudist bench` run (or of its HF peer), computed for both by
   cpudist.bench.figures.throughput_figures.
 
@@ -215,6 +216,39 @@ class DataEvalResult:
         return (f"loss {self.loss:.4f}  perplexity {self.perplexity:.2f}{capped}  token accuracy "
                 f"{100 * self.token_accuracy:.2f}%  ({self.label_tokens} label tokens, "
                 f"{self.samples} samples; {self.dtype})")
+
+
+@dataclass
+class PreferenceEvalResult:
+    """`cpudist eval --data PAIRS` (data.format=preference): how often the base and the adapter
+    give the chosen answer the higher log-probability, and the adapter's DPO figures against the
+    base as reference (None without an adapter)."""
+
+    base_accuracy: float
+    adapter_accuracy: float | None
+    reward_accuracy: float | None
+    reward_margin: float | None
+    loss: float | None
+    beta: float
+    pairs: int
+    truncated: int
+    dropped: int
+    dtype: str
+    data: str
+    adapter: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        text = f"prefers the chosen answer: base {100 * self.base_accuracy:.1f}%"
+        if self.adapter_accuracy is not None:
+            text += f" -> adapter {100 * self.adapter_accuracy:.1f}%"
+        if self.reward_accuracy is not None and self.reward_margin is not None:
+            text += (f"; DPO reward accuracy {100 * self.reward_accuracy:.1f}% (reference: the "
+                     f"base), reward margin {self.reward_margin:.4f}, loss {self.loss:.4f} at "
+                     f"beta {self.beta:g}")
+        return text + f"  ({self.pairs} pairs; {self.dtype})"
 
 
 @dataclass

@@ -103,6 +103,7 @@ class PairLoss(nn.Module):
         self.settings = config.preference
         self.kind = kind
         self.reference_source: Reference | None = None  # set by prepare when computed per step
+        self.last_logps = torch.empty(0)
 
     @property
     def model(self) -> nn.Module:
@@ -126,6 +127,7 @@ class PairLoss(nn.Module):
             with torch.no_grad(), self.reference_source.active():
                 reference, _ = self.row_logps(input_ids, attention_mask, labels)
         logps, counts = self.row_logps(input_ids, attention_mask, labels)
+        self.last_logps = logps.detach()  # for scorers that count preferences (cpudist eval)
         pairs = logps.shape[0] // 2
         chosen, rejected = logps[:pairs], logps[pairs:]
         if self.kind == "dpo":

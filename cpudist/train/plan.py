@@ -169,7 +169,7 @@ def frozen_gb(config: Config, parts: Parts, compute: str) -> dict[str, float]:
         frozen["embedding + tied LM head"] = parts.embedding * bytes_per / GB
     else:
         # A lookup touches only the pages of the rows it reads.
-        tokens = config.train.batch_size * config.data.max_length
+        tokens = rows_per_micro_batch(config) * config.data.max_length
         rows = min(parts.vocab, tokens * config.train.grad_accum)
         frozen["embedding (rows read)"] = min(parts.embedding, rows * parts.hidden) * bytes_per / GB
         frozen["LM head"] = parts.head * bytes_per / GB
@@ -177,11 +177,20 @@ def frozen_gb(config: Config, parts: Parts, compute: str) -> dict[str, float]:
     return frozen
 
 
+def rows_per_micro_batch(config: Config) -> int:
+    """Sequences of a micro-batch: train.batch_size samples, each of the objective's sequences
+    (a preference pair puts its chosen and its rejected answer through the model together)."""
+    from cpudist.objectives import OBJECTIVES
+
+    return config.train.batch_size * OBJECTIVES[config.train.objective].sequences_per_sample
+
+
 def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> dict[str, float]:
     """Each rank's own GB by part: the adapter and its optimizer state, activations, the loss
     head's buffers, the dequantization buffer, the process."""
     bytes_per = 2 if compute == "bfloat16" else 4
-    tokens = config.train.batch_size * config.data.max_length
+    sequences = rows_per_micro_batch(config)
+    tokens = sequences * config.data.max_length
     rank: dict[str, float] = {}
     ddp = 4 if ranks_per_node > 1 or config.dist.threads_per_rank else 0
     rank["adapter, gradients, AdamW"] = _lora_params(parts, config) * (16 + ddp) / GB
@@ -196,7 +205,7 @@ def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> 
         # Eager attention saves 8 bytes per score (batch x heads x length^2) and layer for
         # backward (measured on Gemma 2, bf16 and fp32), and the layer being computed as much
         # again in transient buffers; sdpa keeps no score matrix.
-        scores = config.train.batch_size * parts.heads * config.data.max_length ** 2
+        scores = sequences * parts.heads * config.data.max_length ** 2
         holding = 1 if config.model.gradient_checkpointing else parts.layers
         rank["attention scores (eager)"] = EAGER_SCORE_BYTES * scores * (holding + 1) / GB
     chunk = config.train.loss_chunk_size
