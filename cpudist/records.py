@@ -327,6 +327,8 @@ class BenchResult:
     flop_model: dict[str, int]
     config: dict[str, Any]  # the resolved config, as config.yaml holds it
     load_s: float = 0.0  # setup (model, data, optimizer) before the first step
+    prepare_s: float = 0.0  # the objective's pass before training (DPO's precomputed reference)
+    prepared: str = ""  # what that pass did (Objective.prepare), "" for none; not in the figures
     peak_rss_after_load_gb: float | None = None
     losses: list[float] = field(default_factory=list)
     # The gradient allreduce (cpudist.runtime.comm.CommMeter), per timed step.

@@ -128,7 +128,8 @@ class Objective(ABC):
         """Files besides the adapter that reloading the trained model needs (none by default)."""
         return None
 
-    def prepare(self, engine: Engine) -> None:
+    def prepare(self, engine: Engine) -> str:
         """Work after the engine is built and its checkpoint applied, before the first step and
-        the validation before training (every rank calls it; none by default)."""
-        return None
+        the validation before training (every rank calls it; none by default). Returns what it
+        did, in a few words for the bench's table ("" for nothing)."""
+        return ""

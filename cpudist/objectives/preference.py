@@ -225,10 +225,10 @@ class PreferenceObjective(Objective):
 class DPO(PreferenceObjective):
     name: ClassVar[str] = "dpo"
 
-    def prepare(self, engine: Engine) -> None:
+    def prepare(self, engine: Engine) -> str:
         from cpudist.objectives.reference import prepare_reference
 
-        prepare_reference(engine)
+        return prepare_reference(engine)
 
 
 class ORPO(PreferenceObjective):

@@ -84,9 +84,9 @@ def reference_mode(engine: Engine, pairs: int) -> tuple[str, str]:
                         "them would cost more than a reference forward per step")
 
 
-def prepare_reference(engine: Engine) -> None:
+def prepare_reference(engine: Engine) -> str:
     """Set up DPO's reference for the run: per step (the loss module computes it), or precomputed
-    into the training and validation splits (cached)."""
+    into the training and validation splits (cached). Returns which, in a few words."""
     config, loss = engine.config, engine.loss
     init = resolve_init_adapter(config.model.init_adapter) if config.model.init_adapter else None
     source = Reference(engine.model, init)
@@ -96,11 +96,16 @@ def prepare_reference(engine: Engine) -> None:
              "precomputed once" if mode == "precomputed" else "computed at every step", why)
     if mode == "per_step":
         loss.reference_source = source
-        return
+        return "DPO reference: a forward at every step"
     model_key = _model_key(engine, init)
+    cached = []
     for name, split in (("training", train), ("validation", engine.data.val)):
         if len(split):
-            split.reference = cached_reference(engine, loss, source, split, model_key, name)
+            split.reference, from_cache = cached_reference(engine, loss, source, split, model_key,
+                                                           name)
+            cached.append(from_cache)
+    return ("DPO reference: precomputed, " + ("read from the cache" if all(cached) else
+                                              f"one pass over {len(train)} pairs"))
 
 
 def _model_key(engine: Engine, init: Path | None) -> str:
@@ -120,9 +125,10 @@ def _pairs_digest(model_key: str, split: PreferenceSplit) -> str:
 
 
 def cached_reference(engine: Engine, loss: PairLoss, source: Reference, split: PreferenceSplit,
-                     model_key: str, name: str) -> list[tuple[float, float]]:
-    """The split's reference log-probabilities (chosen, rejected) per pair: read from the cache
-    when every rank has it there, else computed by all ranks together and cached."""
+                     model_key: str, name: str) -> tuple[list[tuple[float, float]], bool]:
+    """(the split's reference log-probabilities (chosen, rejected) per pair, whether they were read
+    from the cache): read when every rank has them there, else computed by all ranks together
+    and cached."""
     from safetensors.torch import load_file, save_file
 
     placement = engine.placement
@@ -131,7 +137,7 @@ def cached_reference(engine: Engine, loss: PairLoss, source: Reference, split: P
     if everywhere:
         stored = load_file(str(path))
         log.info("DPO reference of the %s pairs: read from %s", name, path)
-        return list(zip(stored["chosen"].tolist(), stored["rejected"].tolist(), strict=True))
+        return list(zip(stored["chosen"].tolist(), stored["rejected"].tolist(), strict=True)), True
     started = time.perf_counter()
     merged: dict[int, tuple[float, float]] = {}
     for share in all_gather(_compute_share(engine, loss, source, split), placement):
@@ -144,7 +150,7 @@ def cached_reference(engine: Engine, loss: PairLoss, source: Reference, split: P
                           str(tmp))
     log.info("DPO reference of the %d %s pairs: computed in %.1f s, cached in %s", len(split), name,
              time.perf_counter() - started, path)
-    return [(float(c), float(r)) for c, r in values.tolist()]
+    return [(float(c), float(r)) for c, r in values.tolist()], False
 
 
 @torch.no_grad()
