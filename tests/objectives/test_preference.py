@@ -5,6 +5,7 @@ run equals the 1-rank run (through a resume on another world size)."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import sys
@@ -232,6 +233,15 @@ def test_fresh_dpo_starts_at_ln2_caches_its_reference_and_resumes_exactly(
     assert records[0]["reward_accuracy"] == 0.5  # every margin 0: ties count half
     assert "val_reward_accuracy" in records[-1]
     assert len(list((tmp_path / "data-cache" / "reference").glob("*.safetensors"))) == 2
+    # cpudist eval on the pairs file (data.format from the run): base vs adapter, and the DPO
+    # figures of the adapter with the base as reference, the run's reference.
+    evaluated = cli_in_process(capsys, ["eval", "--adapter", str(whole / "adapter"), "--data",
+                                        str(data), "--json"])
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    scores = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    assert scores["pairs"] == 32 and 0.0 <= scores["base_accuracy"] <= 1.0
+    assert scores["adapter_accuracy"] >= scores["base_accuracy"]  # easy pairs: the base is often right
+    assert scores["reward_accuracy"] > 0.5 and scores["loss"] < math.log(2)
 
     stopped_out = tmp_path / "stopped"
     with monkeypatch.context() as patch:
