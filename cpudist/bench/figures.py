@@ -222,6 +222,7 @@ def format_table(results: dict[str, BenchResult],
                  f"{first.steps} timed steps after {first.warmup_steps} warm-up; {first.data}")
     for name, result in results.items():
         if result.prepared:  # a pass before the timed steps, which their figures leave out
-            spent = f" ({result.prepare_s:.1f} s before the timed steps)" if result.prepare_s else ""
+            spent = (f" ({result.prepare_s:.1f} s before the timed steps)"
+                     if result.prepare_s >= 0.05 else "")
             lines.append(f"{name}: {result.prepared}{spent}")
     return "\n".join(lines)
