@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from cpudist.errors import UserError
+from cpudist.errors import PlanRefused, UserError
 from cpudist.runtime.cluster import Placement, mpi_available, rendezvous
 
 log = logging.getLogger("cpudist")
@@ -320,11 +320,15 @@ def barrier(placement: Placement) -> None:
         dist.barrier()
 
 
-def agree_on_error(placement: Placement, error: str | None) -> None:
-    """Raise the same UserError on every rank if any rank hit one (no rank is left waiting)."""
-    first = next((e for e in all_gather(error, placement) if e), None)
+def agree_on_error(placement: Placement, error: UserError | None) -> None:
+    """Raise the same UserError on every rank if any rank hit one (no rank is left waiting); a
+    PlanRefused stays one (it has an exit status of its own)."""
+    kind = PlanRefused if isinstance(error, PlanRefused) else UserError
+    gathered = all_gather(None if error is None else (kind, str(error)), placement)
+    first = next((e for e in gathered if e), None)
     if first:
-        raise UserError(first)
+        kind, message = first
+        raise kind(message)
 
 
 def agreed(placement: Placement, action: Callable[[], T]) -> T:
@@ -333,7 +337,7 @@ def agreed(placement: Placement, action: Callable[[], T]) -> T:
     try:
         result = action()
     except UserError as exc:
-        error = str(exc)
+        error = exc
     agree_on_error(placement, error)
     return result  # type: ignore[return-value]
 

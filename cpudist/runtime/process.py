@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from cpudist.config import DistConfig
+from cpudist.errors import ExitCode
 from cpudist.runtime.cluster import (
     Placement,
     detect_placement,
@@ -127,14 +128,16 @@ def start_process(dist: DistConfig, debug: bool = False, resume_hint: str = "",
     except RuntimeError as exc:
         if not placement.distributed or debug or not lost_peer(exc):
             raise
+        code = ExitCode.LOST_PEER
         log.error("error: lost contact with the other ranks (%s). %s; see the other ranks' output "
-                  "(mpirun names a rank that died).%s", first_line(exc),
-                  peer_fate(peers, placement.rank), f" {resume_hint}" if resume_hint else "")
+                  "(mpirun names a rank that died).%s [exit %d: %s]", first_line(exc),
+                  peer_fate(peers, placement.rank), f" {resume_hint}" if resume_hint else "",
+                  code, code.describe())
         _dump_stacks(exc, placement.rank, stacks_dir)
         sys.stdout.flush()
         sys.stderr.flush()
         # No clean shutdown: destroying the group or MPI_Finalize would wait for the lost peer.
-        os._exit(1)
+        os._exit(code)
     finally:
         shutdown()
 

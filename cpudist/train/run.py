@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cpudist.config import Config
-from cpudist.errors import UserError
+from cpudist.errors import Preempted, UserError
 from cpudist.infer.generate import answer_prompts
 from cpudist.model.quantize import QuantizedLinear
 from cpudist.objectives import Prompt
@@ -46,14 +46,20 @@ log = logging.getLogger("cpudist")
 
 def train(config: Config, debug: bool = False) -> RunSummary | None:
     """Run a fine-tune as this process's rank; returns the summary on rank 0 (None on other
-    ranks, and when a signal stopped the run)."""
+    ranks). A run a signal stopped after its checkpoint raises Preempted, once every rank is
+    done."""
     with start_process(config.dist, debug, resume_hint="Continue from the newest checkpoint "
                        "with train.resume=auto", stacks_dir=Path(config.output.dir)) as process:
         resolved = resolve(config, process.placement)
         with StopFlag(config.train.save_on_signal) as stop:
             run = set_up(resolved, process, stop)
             fit(run)
-            return finish(run)
+            summary = finish(run)
+            stopped = run.stopped_by, run.state.step
+    if stopped[0] is not None:
+        raise Preempted(signal.Signals(stopped[0]).name, stopped[1],
+                        str(Path(config.output.dir) / "checkpoints"))
+    return summary
 
 
 # --------------------------------------------------------------------------- resolve
