@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 from cpudist.config import Config
 from cpudist.errors import UserError
 from cpudist.files import remove, replacing
-from cpudist.records import RunSummary
+from cpudist.records import RestartEvent, RunSummary
+from cpudist.report.metrics import append_event
+from cpudist.runtime.cluster import Placement
 
 if TYPE_CHECKING:
     from cpudist.objectives import Objective
@@ -95,6 +97,19 @@ def save_final_adapter(model: Any, target: Path, record: dict[str, Any] | None =
         reason = getattr(exc, "strerror", None) or str(exc)
         raise UserError(f"could not write the adapter to {target}: {reason}. The same weights are "
                         f"in the newest checkpoint under {target.parent / 'checkpoints'}") from exc
+
+
+def note_restart(out: Path, placement: Placement, step: int) -> None:
+    """The restart record of a launcher that starts the workers again itself (torchrun
+    --max-restarts), as `cpudist launch --restarts` writes one between two jobs; here rank 0
+    writes it, before it opens metrics.jsonl (which keeps such records when it is cut back)."""
+    import datetime
+
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    append_event(out / "metrics.jsonl", RestartEvent(
+        attempt=placement.restarts, reason=f"{placement.launcher} started the workers again "
+        f"(restart {placement.restarts}): a worker or node failed", resumed_from_step=step,
+        time=now))
 
 
 def resume_command(out: Path) -> str:

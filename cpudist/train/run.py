@@ -37,7 +37,13 @@ from cpudist.runtime.memory import peak_rss_gb
 from cpudist.runtime.process import Process, start_process
 from cpudist.train import checkpoint, faults
 from cpudist.train.engine import Engine, StepResult, build_engine
-from cpudist.train.output import prepare_output, print_outcome, resume_command, save_final_adapter
+from cpudist.train.output import (
+    note_restart,
+    prepare_output,
+    print_outcome,
+    resume_command,
+    save_final_adapter,
+)
 from cpudist.train.plan import check_fits, keep_global_batch, resolve_batch
 from cpudist.train.signals import StopFlag
 
@@ -78,6 +84,11 @@ class Resolved:
 def resolve(given: Config, placement: Placement) -> Resolved:
     """The run's config on this world size, and its checkpoint; refuses, before anything is
     loaded or written, a run whose global batch does not divide or that does not fit memory."""
+    if placement.restarts and given.train.resume is None:
+        # torchrun started the workers again: continue, as `cpudist launch --restarts` does.
+        given = given.model_copy(update={"train": given.train.model_copy(update={"resume": "auto"})})
+        log.info("restart %d by %s: resuming from the newest checkpoint (train.resume=auto)",
+                 placement.restarts, placement.launcher)
     loaded = checkpoint.load_resume(given.train.resume, Path(given.output.dir), placement)
     config = given
     if loaded is not None and loaded.state.world_size != placement.world_size:
@@ -174,6 +185,8 @@ def set_up(resolved: Resolved, process: Process, stop: StopFlag) -> Run:
     out = Path(config.output.dir)
     metrics = None
     if placement.is_main:
+        if placement.restarts:
+            note_restart(out, placement, state.step)
         # Resume asked for but no checkpoint yet: trimmed to step 0, keeping restart records.
         kept_to = state.step if resumed else (0 if config.train.resume is not None else None)
         metrics = MetricsLog(out / "metrics.jsonl", kept_to,
