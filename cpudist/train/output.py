@@ -8,6 +8,8 @@
   summary.json        final figures (cpudist.records.RunSummary)
   report.html, *.png  plots (cpudist.report.plots)
   eval.json           `cpudist eval --task` results, base and adapter, one entry per task
+  tracking.json       the MLflow / W&B runs this run is tracked in (cpudist.report.tracking)
+  wandb/              W&B's own files (tracking.wandb_project)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cpudist.config import Config
+from cpudist.config import Config, TrackingConfig
 from cpudist.errors import UserError
 from cpudist.files import remove, replacing
 from cpudist.records import RestartEvent, RunSummary
@@ -34,7 +36,9 @@ log = logging.getLogger("cpudist")
 RESUMABLE_KEYS = {("train", "resume"), ("output", "overwrite"), ("train", "max_steps"),
                   ("train", "epochs"), ("dist", "threads_per_rank"), ("dist", "master_addr"),
                   ("dist", "master_port"), ("dist", "interface"), ("dist", "timeout_s"),
-                  ("train", "check_memory")}
+                  ("train", "check_memory"),
+                  # Trackers only watch the run (a changed one starts a new tracked run).
+                  *(("tracking", key) for key in TrackingConfig.model_fields)}
 
 
 def prepare_output(config: Config) -> Path:
@@ -64,7 +68,7 @@ def prepare_output(config: Config) -> Path:
                 "train.resume=auto, or set output.overwrite=true to start over"
             )
     if config.output.overwrite and config.train.resume is None and out.exists():
-        for name in ("checkpoints", "adapter", "metrics.jsonl", "summary.json"):
+        for name in ("checkpoints", "adapter", "metrics.jsonl", "summary.json", "tracking.json"):
             remove(out / name)
     try:
         out.mkdir(parents=True, exist_ok=True)

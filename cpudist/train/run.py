@@ -29,6 +29,7 @@ from cpudist.objectives import Prompt
 from cpudist.records import EvalRecord, HeldOutAnswer, RunSummary, StepRecord
 from cpudist.report.console import Progress
 from cpudist.report.metrics import MetricsLog
+from cpudist.report.tracking import Trackers, open_trackers
 from cpudist.runtime.allocator import in_use as allocator_in_use
 from cpudist.runtime.cluster import Placement
 from cpudist.runtime.comm import agreed, allreduce, rank0_only
@@ -140,6 +141,7 @@ class Run:
     out: Path
     resumed: bool
     metrics: MetricsLog | None  # rank 0 only
+    trackers: Trackers | None  # rank 0 only, when tracking.* asks for any
     stop: StopFlag
     eval_before: dict[str, float]
     prompts: list[Prompt]
@@ -191,13 +193,18 @@ def set_up(resolved: Resolved, process: Process, stop: StopFlag) -> Run:
         kept_to = state.step if resumed else (0 if config.train.resume is not None else None)
         metrics = MetricsLog(out / "metrics.jsonl", kept_to,
                              out / "tensorboard" if config.output.tensorboard else None)
+    trackers = rank0_only(placement, lambda: open_trackers(config, out,
+                                                           config.train.resume is not None))
     prompts = (list(engine.objective.held_out_prompts(engine.data.val, config.train.sample_prompts))
                if placement.is_main else [])
     before = {} if resumed else engine.evaluate()
     if before:
         log.info("validation before training: %s", describe(before))
+        if trackers is not None:
+            trackers.evaluation(EvalRecord(0, before))
     answers = answer_prompts(engine.session, [p.ids for p in prompts], config.train.max_new_tokens)
-    return Run(config, engine, state, out, resumed, metrics, stop, before, prompts, answers)
+    return Run(config, engine, state, out, resumed, metrics, trackers, stop, before, prompts,
+               answers)
 
 
 def describe(figures: dict[str, float]) -> str:
@@ -274,6 +281,8 @@ def log_step(run: Run, record: StepRecord) -> None:
     state, tc = run.state, run.config.train
     if run.metrics is not None and (state.step % tc.log_every == 0 or record.evaluation):
         run.metrics.write(record)
+        if run.trackers is not None:
+            run.trackers.step(record)
     run.progress.update(state.step, record.loss, record.tokens_per_s, record.lr)
     if state.bad_steps_in_a_row >= tc.max_bad_steps:
         raise UserError(
@@ -305,6 +314,8 @@ def finish(run: Run) -> RunSummary | None:
                  "with:\n  %s",
                  run.stopped_by, signal.Signals(run.stopped_by).name, state.step,
                  run.out / "checkpoints", resume_command(run.out))
+        if run.trackers is not None:
+            run.trackers.stop()
         return None
     wall = run.clock.elapsed()
     if run.last_saved != state.step:
@@ -321,6 +332,8 @@ def finish(run: Run) -> RunSummary | None:
     assert run.metrics is not None
     if after:
         run.metrics.write(EvalRecord(state.step, after))
+        if run.trackers is not None:
+            run.trackers.evaluation(EvalRecord(state.step, after))
     run.metrics.close()
     summary = summarize(run, wall, after, answers_after)
     summary.write(run.out / "summary.json")
@@ -329,6 +342,9 @@ def finish(run: Run) -> RunSummary | None:
         from cpudist.report.plots import write_report
 
         write_report(run.out)
+    if run.trackers is not None:
+        run.trackers.finish([run.out / name for name in ("adapter", "summary.json", "report.html")],
+                            summary)
     return summary
 
 
