@@ -111,7 +111,8 @@ class WandbTracker:
                  params: dict[str, str], out: Path) -> None:
         wandb = _library("wandb", "tracking.wandb_project", "wandb")
         self.where = tc.wandb_project
-        run_id = str(previous["run_id"]) if previous is not None else wandb.util.generate_id()
+        run_id = (str(previous["run_id"]) if previous is not None
+                  else importlib.import_module("wandb.sdk.lib.runid").generate_id())
         self.run = wandb.init(
             project=tc.wandb_project, entity=tc.wandb_entity, name=run_name, id=run_id,
             resume="allow", mode=tc.wandb_mode, dir=str(out),
