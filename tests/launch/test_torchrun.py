@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -115,3 +116,32 @@ def assert_tracked_once(uri: str, experiment: str, out: Path) -> None:
     assert {"adapter", "summary.json"} <= files
     adapter = {f.path for f in client.list_artifacts(tracked.info.run_id, "adapter")}
     assert "adapter/adapter_model.safetensors" in adapter
+
+
+@pytest.mark.netns
+def test_two_fake_nodes_rendezvous_across_the_veth_and_match_mpirun(
+        netns_cluster: Any, tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
+    """One torchrun agent per fake node (network namespaces), c10d rendezvous on node 0's veth
+    address: 2 ranks, one per node, train to the losses of the same run under mpirun -np 2."""
+    settings = {"train__max_steps": 4, "train__batch_size": 2, "dist__threads_per_rank": 1}
+    reference = tmp_path / "mpirun"
+    done = run([*mpirun_cmd(2), *cpudist_cmd(), "train",
+                *tiny_overrides(tiny_llama, chat_file, reference, **settings)])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "torchrun"
+    agents = [subprocess.Popen(netns_cluster.exec_argv(node, [
+        str(Path(sys.executable).with_name("torchrun")), "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{netns_cluster.address(0)}:29477",
+        "--rdzv-id", "two-nodes", "--local-addr", netns_cluster.address(index), "--no-python",
+        *cpudist_cmd(), "train", *tiny_overrides(tiny_llama, chat_file, out, **settings),
+        f"dist.interface={netns_cluster.ifname}"]), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for index, node in enumerate(netns_cluster.nodes)]
+    logs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "ranks: 2 (torchrun), this node: 1" in logs[0] + logs[1]
+    assert netns_cluster.address(0) in logs[0] + logs[1]  # the store on node 0's veth address
+    expected, got = step_losses(reference), step_losses(out)
+    assert [s for s, _ in got] == [1, 2, 3, 4]
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in expected],
+                                                      abs=1e-6, rel=0)
+    assert_same_adapter(out, reference)
