@@ -194,6 +194,32 @@ class OutputConfig(_Section):
     plots: bool = True
 
 
+class TrackingConfig(_Section):
+    # Experiment trackers, written by rank 0 beside metrics.jsonl (cpudist.report.tracking): the
+    # resolved config as parameters, every logged step and evaluation as metrics, and at the end
+    # the adapter, summary.json and report.html. A resumed run continues the same tracked run
+    # (OUTPUT/tracking.json keeps its id). A tracker failing mid-run is a warning, not the end.
+    # MLflow (pip install 'cpudist[mlflow]'): a tracking URI such as http://host:5000; off when null.
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = "cpudist"
+    # Weights & Biases (pip install 'cpudist[wandb]'): the project; off when null. offline writes
+    # the run under OUTPUT/wandb for `wandb sync` later.
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_mode: Literal["online", "offline"] = "online"
+    # Both: the tracked run's name (default: output.dir's last part) and tags (W&B: "key:value").
+    run_name: str | None = None
+    tags: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("tags", mode="before")
+    @classmethod
+    def _tag_values(cls, value: Any) -> Any:
+        # YAML reads `tags: {seed: 1}` as an int; trackers take strings.
+        if isinstance(value, dict):
+            return {str(k): str(v) for k, v in value.items()}
+        return value
+
+
 class Config(_Section):
     model: ModelConfig = ModelConfig()
     lora: LoraConfig = LoraConfig()
@@ -202,6 +228,7 @@ class Config(_Section):
     preference: PreferenceConfig = PreferenceConfig()
     dist: DistConfig = DistConfig()
     output: OutputConfig = OutputConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -310,7 +337,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             loaded = {}
         if not isinstance(loaded, dict):
             raise UserError(f"{path}: the top level must be a mapping of sections "
-                            "(model, lora, data, train, preference, dist, output)")
+                            "(model, lora, data, train, preference, dist, output, tracking)")
         data = loaded
         lines = _key_lines(text)
     override_keys: set[str] = set()

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cpudist.config import Config
-from cpudist.errors import UserError
+from cpudist.errors import PlanRefused, UserError
 
 log = logging.getLogger("cpudist")
 GB = 1024**3
@@ -314,7 +314,7 @@ def check_fits(config: Config, ranks_per_node: int) -> MemoryPlan | None:
         log.warning("memory plan unavailable (%s); running without the check", exc)
         return None
     if not plan.fits:
-        raise UserError(one_line(plan))
+        raise PlanRefused(one_line(plan))
     log.info("memory plan: node peak about %.1f GB of %.1f GB (%s)", plan.node_peak_gb,
              plan.node_memory_gb, plan.node_memory_from)
     return plan
