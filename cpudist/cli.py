@@ -14,7 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from cpudist.errors import USER_ERROR_EXIT, UserError
+from cpudist import __version__
+from cpudist.errors import ExitCode, Preempted, UserError
 
 # Command -> (module defining HELP, DESCRIPTION, add_arguments(parser) and run(args)), in --help order.
 COMMANDS = {
@@ -57,6 +58,7 @@ def top_parser() -> argparse.ArgumentParser:
             f"  {name:<10} {importlib.import_module(module).HELP}"
             for name, module in COMMANDS.items()) + "\n\n`cpudist COMMAND --help` for its flags.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--version", action="version", version=f"cpudist {__version__}")
     parser.add_argument("command", choices=list(COMMANDS), metavar="COMMAND")
     return parser
 
@@ -79,38 +81,65 @@ def command_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; the exit status says how it ended (cpudist.errors.ExitCode), and every
+    way but finishing prints one line on stderr saying which."""
     given = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in given or os.environ.get("CPUDIST_DEBUG") == "1"
     try:
-        words = [a for a in given if not a.startswith("-")]
-        if not words or words[0] not in COMMANDS:
-            top_parser().parse_args(given)  # prints help, or the error for an unknown command
-            return 2
-        name = words[0]
-        if argv is None and name in COMPUTE_COMMANDS:
-            # Only a real command line: a caller passing argv (tests, scripts) keeps its process.
-            from cpudist.runtime import allocator
-
-            allocator.ensure(_flag_value(given, "--allocator"))
-        rest = list(given)
-        rest.remove(name)
-        if "--debug" in rest[: given.index(name)]:
-            rest.remove("--debug")  # `cpudist --debug COMMAND`: the command parser takes it too
-        parser, module = command_parser(name)
-        # Intermixed: `section.key=value` overrides may stand before, between or after flags.
-        intermixed = getattr(module, "INTERMIXED", True)
-        args = parser.parse_intermixed_args(rest) if intermixed else parser.parse_args(rest)
-        debug = debug or args.debug
-        return int(module.run(args) or 0)
+        return _dispatch(given, argv is None)
     except UserError as exc:
         if debug:
             raise
-        from cpudist.runtime.cluster import detect_placement, rank_prefix
-
-        print(f"{rank_prefix(detect_placement())}error: {exc}", file=sys.stderr)
-        return USER_ERROR_EXIT
+        _say(f"error: {exc}", exc.exit_code)
+        return exc.exit_code
+    except Preempted as exc:
+        _say(str(exc), exc.exit_code)
+        return exc.exit_code
     except KeyboardInterrupt:
-        return 130
+        _say("interrupted", ExitCode.INTERRUPTED)
+        return ExitCode.INTERRUPTED
+    except Exception:
+        # A bug: the traceback is what a report needs, the last line what a scheduler's log shows.
+        import traceback
+
+        traceback.print_exc()
+        _say("error: the traceback above is a bug in cpudist or a library",
+             ExitCode.INTERNAL_ERROR)
+        return ExitCode.INTERNAL_ERROR
+
+
+def _dispatch(given: list[str], real_command_line: bool) -> int:
+    words = [a for a in given if not a.startswith("-")]
+    if not words or words[0] not in COMMANDS:
+        top_parser().parse_args(given)  # prints help or the version, or the error for a bad command
+        return ExitCode.BAD_INPUT
+    name = words[0]
+    if real_command_line and name in COMPUTE_COMMANDS:
+        # Only a real command line: a caller passing argv (tests, scripts) keeps its process.
+        from cpudist.runtime import allocator
+
+        allocator.ensure(_flag_value(given, "--allocator"))
+    rest = list(given)
+    rest.remove(name)
+    if "--debug" in rest[: given.index(name)]:
+        rest.remove("--debug")  # `cpudist --debug COMMAND`: the command parser takes it too
+    parser, module = command_parser(name)
+    # Intermixed: `section.key=value` overrides may stand before, between or after flags.
+    intermixed = getattr(module, "INTERMIXED", True)
+    args = parser.parse_intermixed_args(rest) if intermixed else parser.parse_args(rest)
+    return int(module.run(args) or 0)
+
+
+def _say(message: str, code: ExitCode) -> None:
+    """The one line a command that did not finish ends with: what happened, and its exit class
+    (rank-prefixed, so that the lines of several ranks can be told apart)."""
+    from cpudist.runtime.cluster import detect_placement, rank_prefix
+
+    try:
+        prefix = rank_prefix(detect_placement())
+    except UserError:
+        prefix = ""
+    print(f"{prefix}{message} [exit {int(code)}: {code.describe()}]", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

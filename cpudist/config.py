@@ -40,6 +40,10 @@ class ModelConfig(_Section):
     quantize: Literal["none", "int8", "int4"] = "none"
     quantize_group: int = Field(64, gt=0)
     cache_dir: str = ".cache/models"
+    # An adapter directory to start from instead of a fresh adapter (its weights as the start; the
+    # lora section must describe it): SFT -> DPO, or more SFT. DPO's reference is then the base +
+    # this adapter, frozen.
+    init_adapter: str | None = None
 
 
 class PeftSection(_Section):
@@ -136,8 +140,9 @@ class DataConfig(_Section):
 class TrainConfig(_Section):
     # What the run trains for (a name in cpudist.objectives.OBJECTIVES): sft = next-token
     # cross-entropy on the answer tokens; classification = a head on the text's label(s);
-    # auto = the one data.format calls for (classification for that format, else sft).
-    objective: Literal["auto", "sft", "classification"] = "auto"
+    # dpo, orpo = preference pairs (the preference section); auto = the one data.format calls
+    # for (classification or dpo for those formats, else sft).
+    objective: Literal["auto", "sft", "classification", "dpo", "orpo"] = "auto"
     seed: int = 42
     epochs: int = Field(1, gt=0)
     # When set, the run stops after this many optimizer steps (epochs repeat as needed).
@@ -189,6 +194,21 @@ class TrainConfig(_Section):
         raise ValueError("needs a positive integer or auto")
 
 
+class PreferenceConfig(_Section):
+    """Preference tuning (train.objective=dpo or orpo, data.format=preference)."""
+
+    # DPO: how far the policy may move from the reference (the rewards are beta x the log-ratio).
+    beta: float = Field(0.1, gt=0)
+    # DPO: the probability that a pair's preference is flipped (conservative DPO); 0 = plain DPO.
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    # ORPO: the weight of the odds-ratio term beside the SFT loss on the chosen answers.
+    orpo_lambda: float = Field(0.1, gt=0)
+    # DPO's reference log-probabilities: precomputed (one pass before training, cached with the
+    # tokenized data), per_step (a second, gradient-free forward each step), or auto (precomputed
+    # when the run reaches every training pair at least once, per_step otherwise).
+    reference: Literal["auto", "precomputed", "per_step"] = "auto"
+
+
 class DistConfig(_Section):
     # auto = ccl when oneccl_bindings_for_pytorch imports, else gloo. mpi = gloo group plus
     # gradient allreduce over mpi4py.
@@ -215,6 +235,32 @@ class OutputConfig(_Section):
     plots: bool = True
 
 
+class TrackingConfig(_Section):
+    # Experiment trackers, written by rank 0 beside metrics.jsonl (cpudist.report.tracking): the
+    # resolved config as parameters, every logged step and evaluation as metrics, and at the end
+    # the adapter, summary.json and report.html. A resumed run continues the same tracked run
+    # (OUTPUT/tracking.json keeps its id). A tracker failing mid-run is a warning, not the end.
+    # MLflow (pip install 'cpudist[mlflow]'): a tracking URI such as http://host:5000; off when null.
+    mlflow_uri: str | None = None
+    mlflow_experiment: str = "cpudist"
+    # Weights & Biases (pip install 'cpudist[wandb]'): the project; off when null. offline writes
+    # the run under OUTPUT/wandb for `wandb sync` later.
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_mode: Literal["online", "offline"] = "online"
+    # Both: the tracked run's name (default: output.dir's last part) and tags (W&B: "key:value").
+    run_name: str | None = None
+    tags: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("tags", mode="before")
+    @classmethod
+    def _tag_values(cls, value: Any) -> Any:
+        # YAML reads `tags: {seed: 1}` as an int; trackers take strings.
+        if isinstance(value, dict):
+            return {str(k): str(v) for k, v in value.items()}
+        return value
+
+
 class Config(_Section):
     model: ModelConfig = ModelConfig()
     peft: PeftSection = PeftSection()
@@ -224,8 +270,18 @@ class Config(_Section):
     data: DataConfig = DataConfig()
     classification: ClassificationSection = ClassificationSection()
     train: TrainConfig = TrainConfig()
+    preference: PreferenceConfig = PreferenceConfig()
     dist: DistConfig = DistConfig()
     output: OutputConfig = OutputConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    def objective_name(self) -> str:
+        """train.objective, with auto resolved from data.format (the first objective that reads
+        it: cpudist.data.formats.FORMAT_OBJECTIVES)."""
+        from cpudist.data.formats import objectives_of  # the registry: no torch, no cycle
+
+        name = self.train.objective
+        return objectives_of(self.data.format)[0] if name == "auto" else name
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

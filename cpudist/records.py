@@ -3,7 +3,8 @@
 - StepRecord, EvalRecord, RestartEvent: the lines of OUTPUT/metrics.jsonl (a training step, the
   final evaluation, a restart written by `cpudist launch --restarts`).
 - RunSummary: OUTPUT/summary.json, what `cpudist train` returns and report.html shows.
-- DataEvalResult, TaskEvalResult: `cpudist eval --data` and `--task` (OUTPUT/eval.json).
+- DataEvalResult, PreferenceEvalResult, TaskEvalResult: `cpudist eval --data` (a preference
+  file: PreferenceEvalResult) and `--task` (OUTPUT/eval.json).
 - ClassificationReport: a classifier's labels, thresholds and validation figures
   (ADAPTER/classification.json, `cpudist eval --data` on classification rows).
 - BenchResult: the figures of one `cpudist bench` run (or of its HF peer), computed for both by
@@ -220,6 +221,39 @@ class DataEvalResult:
 
 
 @dataclass
+class PreferenceEvalResult:
+    """`cpudist eval --data PAIRS` (data.format=preference): how often the base and the adapter
+    give the chosen answer the higher log-probability, and the adapter's DPO figures against the
+    base as reference (None without an adapter)."""
+
+    base_accuracy: float
+    adapter_accuracy: float | None
+    reward_accuracy: float | None
+    reward_margin: float | None
+    loss: float | None
+    beta: float
+    pairs: int
+    truncated: int
+    dropped: int
+    dtype: str
+    data: str
+    adapter: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        text = f"prefers the chosen answer: base {100 * self.base_accuracy:.1f}%"
+        if self.adapter_accuracy is not None:
+            text += f" -> adapter {100 * self.adapter_accuracy:.1f}%"
+        if self.reward_accuracy is not None and self.reward_margin is not None:
+            text += (f"; DPO reward accuracy {100 * self.reward_accuracy:.1f}% (reference: the "
+                     f"base), reward margin {self.reward_margin:.4f}, loss {self.loss:.4f} at "
+                     f"beta {self.beta:g}")
+        return text + f"  ({self.pairs} pairs; {self.dtype})"
+
+
+@dataclass
 class TaskEvalResult:
     """`cpudist eval --task FILE`: a task's metrics for the base alone (before) and with the
     adapter (after); one entry of OUTPUT/eval.json."""
@@ -338,6 +372,8 @@ class BenchResult:
     flop_model: dict[str, int]
     config: dict[str, Any]  # the resolved config, as config.yaml holds it
     load_s: float = 0.0  # setup (model, data, optimizer) before the first step
+    prepare_s: float = 0.0  # the objective's pass before training (DPO's precomputed reference)
+    prepared: str = ""  # what that pass did (Objective.prepare), "" for none; not in the figures
     peak_rss_after_load_gb: float | None = None
     losses: list[float] = field(default_factory=list)
     # The gradient allreduce (cpudist.runtime.comm.CommMeter), per timed step.

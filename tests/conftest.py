@@ -137,3 +137,49 @@ def netns_cluster() -> Iterator[object]:
         pytest.skip("'ip' not found: apt-get install iproute2")
     with netns_cluster_of(2) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real MLflow tracking server (SQLite backend, artifacts proxied to a local folder) on a
+    loopback port, for the session; its tracking URI."""
+    pytest.importorskip("mlflow", reason="pip install 'cpudist[mlflow]'")
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    home = tmp_path_factory.mktemp("mlflow")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = (home / "server.log").open("w")
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port",
+         str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
+         "--artifacts-destination", str(home / "artifacts")], stdout=log, stderr=log, cwd=home,
+        start_new_session=True)  # its own group: the server starts uvicorn and a job runner
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, (home / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the MLflow server did not start"
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.25)
+        yield uri
+    finally:
+        import os
+        import signal
+
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()

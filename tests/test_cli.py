@@ -11,7 +11,7 @@ import pytest
 from cpudist.cli import COMMANDS
 from cpudist.commands.common import split_settings
 from cpudist.errors import UserError
-from tests.helpers import cpudist_cmd, run
+from tests.helpers import cli_in_process, cpudist_cmd, run
 
 NO_TORCH = """
 import sys
@@ -62,3 +62,27 @@ def test_more_than_one_config_file_is_an_error() -> None:
         split_settings(["a.yaml", "b.yaml"])
     done = run([*cpudist_cmd(), "train", "a.yaml", "b.yaml"], timeout=60)
     assert done.returncode == 2 and "more than one config file" in done.stderr
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import cpudist
+
+    done = cli_in_process(capsys, ["--version"])
+    assert done.returncode == 0 and done.stdout.strip() == f"cpudist {cpudist.__version__}"
+
+
+def test_an_internal_error_exits_1_with_its_traceback_then_one_line(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug is exit class 1 (do not retry), told apart from bad input (2) by its last line."""
+    from cpudist.commands import hostfile
+
+    def broken(_args: object) -> int:
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(hostfile, "run", broken)
+    done = cli_in_process(capsys, ["hostfile", "check", "h"])
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr and "ZeroDivisionError: division by zero" in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: the traceback above is a bug in cpudist or a library [exit 1: internal error (do "
+        "not retry; report it with the --debug traceback)]")

@@ -220,4 +220,9 @@ def format_table(results: dict[str, BenchResult],
     lines.append(f"dtype {first.dtype}; {first.world_size} rank(s) x {first.threads} "
                  f"thread(s); peak GEMM {first.peak_tflops * 1000:.0f} GFLOP/s (this run); "
                  f"{first.steps} timed steps after {first.warmup_steps} warm-up; {first.data}")
+    for name, result in results.items():
+        if result.prepared:  # a pass before the timed steps, which their figures leave out
+            spent = (f" ({result.prepare_s:.1f} s before the timed steps)"
+                     if result.prepare_s >= 0.05 else "")
+            lines.append(f"{name}: {result.prepared}{spent}")
     return "\n".join(lines)

@@ -11,6 +11,9 @@ from cpudist.errors import UserError
 
 # --data: synthetic full-label rows, or real instruct samples from data.path.
 DATA_KINDS = ("synthetic", "instruct")
+# --objective values that train on preference pairs (synthetic: a prompt of half the sequence
+# length, then a chosen and a rejected answer of the other half each).
+PAIR_OBJECTIVES = ("dpo", "orpo")
 
 
 @dataclass
@@ -25,6 +28,7 @@ class BenchArgs:
     dtype: str | None
     threads: int | None
     profile: bool = False
+    objective: str | None = None  # train.objective; dpo and orpo time preference pairs
 
     def flags(self) -> list[str]:
         """The same settings as `cpudist bench` flags (for the bench run in another process)."""
@@ -34,6 +38,8 @@ class BenchArgs:
                             ("--dtype", self.dtype), ("--threads", self.threads)):
             if value is not None:
                 flags += [flag, str(value)]
+        if self.objective:
+            flags += ["--objective", self.objective]
         return flags + (["--profile"] if self.profile else [])
 
 
@@ -48,6 +54,12 @@ def bench_config(config_path: str | None, overrides: list[str], args: BenchArgs)
         extra.append(f"model.dtype={args.dtype}")
     if args.threads:
         extra.append(f"dist.threads_per_rank={args.threads}")
+    if args.objective:
+        extra.append(f"train.objective={args.objective}")
+    if args.objective in PAIR_OBJECTIVES:
+        extra.append("data.format=preference")
+        if not any(item.startswith("data.path=") for item in overrides):
+            extra.append("data.path=chatterbot-pairs:english")  # --data instruct: real pairs
     config = load_config(config_path, [*overrides, *extra])
     if args.preset:
         config.model.path = str(preset_dir(args.preset, args.layers, config.model.cache_dir))

@@ -17,11 +17,15 @@ from cpudist.bench.child import child_env, run_json
 from cpudist.bench.figures import FIGURES, PER_RANK_FIGURES
 from cpudist.bench.options import BenchArgs
 from cpudist.config import Config
+from cpudist.errors import UserError
 from cpudist.records import BenchResult
 from cpudist.runtime.allocator import choose_allocator, requested
 
 # --vs name -> the program that runs that peer on a resolved config file and BenchArgs flags.
-PEERS = {"hf": ("Hugging Face Trainer + PEFT", [sys.executable, "-m", "cpudist.bench.hf_peer"])}
+PEERS = {"hf": ("Hugging Face Trainer + PEFT", [sys.executable, "-m", "cpudist.bench.hf_peer"]),
+         "trl": ("TRL DPOTrainer + PEFT", [sys.executable, "-m", "cpudist.bench.trl_peer"])}
+# The train.objective each peer trains.
+PEER_OBJECTIVES = {"hf": "sft", "trl": "dpo"}
 
 
 @dataclass
@@ -60,6 +64,9 @@ def run_vs(peer: str, config: Config, args: BenchArgs, rounds: int, allocator: s
     """
     from cpudist.train.plan import resolve_batch
 
+    if config.objective_name() != PEER_OBJECTIVES[peer]:
+        raise UserError(f"--vs {peer} trains train.objective={PEER_OBJECTIVES[peer]}; this bench's "
+                        f"is {config.objective_name()} (--vs hf: sft; --vs trl: --objective dpo)")
     name, program = PEERS[peer]
     same = f"{peer} (same malloc)"
     ours_name, _ = choose_allocator(requested(allocator))

@@ -34,7 +34,6 @@ from cpudist.bench.figures import (
 from cpudist.bench.options import BenchArgs
 from cpudist.bench.samples import bench_samples, bench_step_position
 from cpudist.config import Config
-from cpudist.data.tokenize import TokenizedSplit
 from cpudist.objectives import Datasets
 from cpudist.records import BenchResult
 from cpudist.runtime.allocator import in_use as allocator_in_use
@@ -65,11 +64,14 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> BenchResult | N
     def load_data(tokenizer: Any, model: Any) -> Datasets:
         vocab = model.get_base_model().config.vocab_size
         train, description = bench_samples(config, args.data, samples, tokenizer, vocab)
-        return Datasets(train, TokenizedSplit([], []), description)
+        return Datasets(train, train.subset([]), description)
 
     loading = time.perf_counter()
     engine = build_engine(config, process, load_data, total_steps=args.warmup + args.steps)
     load_s, rss_loaded = time.perf_counter() - loading, peak_rss_gb()
+    preparing = time.perf_counter()
+    prepared = engine.objective.prepare(engine)  # DPO's precomputed reference, as training does it
+    prepare_s = time.perf_counter() - preparing if prepared else 0.0
     gemm = GemmPeak(engine.session.precision.compute_dtype,
                     model_gemm_shapes(engine.model, tc.batch_size * config.data.max_length))
     peaks: list[float] = []
@@ -96,7 +98,8 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> BenchResult | N
         world_size=placement.world_size, steps=args.steps, warmup_steps=args.warmup,
         data=engine.data.description, model_dir=str(engine.session.model_dir),
         allocator=allocator_in_use(), flop_model=measured.flops.as_dict(),
-        config=config.to_dict(), load_s=load_s, peak_rss_after_load_gb=rss_loaded,
+        config=config.to_dict(), load_s=load_s, prepare_s=prepare_s, prepared=prepared,
+        peak_rss_after_load_gb=rss_loaded,
         losses=measured.losses, compiled=engine.compiled, preset=args.preset, layers=args.layers,
         profile=profile, gradient_mb=sum(p.numel() * p.element_size() for _, p in engine.params) / 1e6,
         **_communication(measured.comm, placement.world_size))

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from cpudist.bench.options import DATA_KINDS
+from cpudist.bench.options import DATA_KINDS, PAIR_OBJECTIVES
 from cpudist.config import Config
+from cpudist.data.preference import PreferenceSplit, load_pairs
 from cpudist.data.tokenize import TokenizedSplit, build_datasets
 from cpudist.errors import UserError
 
@@ -33,9 +34,39 @@ def fixed_sample_set(split: TokenizedSplit, samples: int, seed: int, where: str)
     return TokenizedSplit([split.input_ids[i] for i in chosen], [split.labels[i] for i in chosen])
 
 
+def synthetic_pairs(samples: int, seq_len: int, vocab: int, seed: int) -> PreferenceSplit:
+    """Pairs of random token ids: a prompt of half of seq_len, then a chosen and a rejected answer
+    of the other half, so each of a pair's two sequences is seq_len tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = seq_len // 2
+
+    def rows(width: int) -> list[list[int]]:
+        return torch.randint(0, vocab, (samples, width), generator=generator).tolist()
+
+    return PreferenceSplit(rows(prompt), rows(seq_len - prompt), rows(seq_len - prompt))
+
+
+def _pair_samples(config: Config, kind: str, samples: int, tokenizer: Any, vocab: int
+                  ) -> tuple[PreferenceSplit, str]:
+    """bench_samples for train.objective=dpo or orpo: preference pairs."""
+    length = config.data.max_length
+    if kind == "synthetic":
+        return (synthetic_pairs(samples, length, vocab, config.train.seed),
+                f"synthetic pairs: {samples} x (prompt {length // 2} + chosen {length - length // 2}"
+                f" | rejected {length - length // 2}) random tokens")
+    train, _, stats = build_datasets(config.data, tokenizer, config.train.seed, load=load_pairs)
+    if len(train) < samples:
+        raise UserError(f"data.path {config.data.path} has {len(train)} training pairs; the bench "
+                        f"times one epoch of {samples} pairs: lower --steps or the batch size")
+    chosen = sorted(random.Random(config.train.seed).sample(range(len(train)), samples))
+    return train.subset(chosen), f"instruct pairs: {stats['source']} ({samples} of {stats['train']})"
+
+
 def bench_samples(config: Config, kind: str, samples: int, tokenizer: Any, vocab: int
-                  ) -> tuple[TokenizedSplit, str]:
+                  ) -> tuple[TokenizedSplit | PreferenceSplit, str]:
     """(the samples a bench times one epoch of, a description)."""
+    if config.objective_name() in PAIR_OBJECTIVES:
+        return _pair_samples(config, kind, samples, tokenizer, vocab)
     if kind == "synthetic":
         return (synthetic_split(samples, config.data.max_length, vocab, config.train.seed),
                 f"synthetic: {samples} rows x {config.data.max_length} random tokens, all labels")

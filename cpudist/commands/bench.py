@@ -35,6 +35,10 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=positive_int, help="data.max_length (synthetic row length)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="model.dtype")
     parser.add_argument("--threads", type=positive_int, help="dist.threads_per_rank")
+    parser.add_argument("--objective", choices=["sft", "dpo", "orpo"],
+                        help="train.objective; dpo and orpo time preference pairs (synthetic: a "
+                             "prompt of half of --seq-len, then two answers of the other half, so "
+                             "each sequence is --seq-len tokens; instruct: chatterbot-pairs:english)")
     parser.add_argument("--allocator", choices=ALLOCATORS,
                         help="malloc of cpudist's benchmark processes (default: CPUDIST_ALLOCATOR, "
                              "else auto = mimalloc, which ships with cpudist); --hf-allocator sets HF's")
@@ -51,19 +55,20 @@ def bench_args(ns: argparse.Namespace) -> tuple[str | None, list[str], BenchArgs
     config_path, overrides = split_settings(ns.settings)
     return config_path, overrides, BenchArgs(ns.preset, ns.layers, ns.data, ns.steps, ns.warmup,
                                              ns.batch_size, ns.seq_len, ns.dtype, ns.threads,
-                                             ns.profile)
+                                             ns.profile, ns.objective)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_bench_flags(parser)
-    parser.add_argument("--vs", choices=["hf"], help="also run Hugging Face Trainer + PEFT on the "
-                        "same model, data and settings (separate processes) and print ratios")
+    parser.add_argument("--vs", choices=["hf", "trl"], help="also run a peer on the same model, "
+                        "data and settings (separate processes) and print ratios: hf = Hugging "
+                        "Face Trainer + PEFT (sft), trl = TRL's DPOTrainer + PEFT (--objective dpo)")
     parser.add_argument("--rounds", type=positive_int, default=1,
                         help="run this many times (each in its own process) and report every "
                              "run's MFU and tokens/s with their spread; with --vs, alternate "
                              "cpudist and HF and keep the best of each")
     parser.add_argument("--hf-allocator", default="none", choices=ALLOCATORS,
-                        help="with --vs: malloc of the HF side (default none: glibc malloc, as HF "
+                        help="with --vs: malloc of the peer (default none: glibc malloc, as HF "
                              "Trainer runs unless you preload one; auto gives it cpudist's)")
 
 
@@ -107,10 +112,11 @@ def _show_profile(profile: dict, peak_tflops: float | None, json_path: Path | No
 
 def _run_vs(ns: argparse.Namespace, config: Config, args: BenchArgs) -> int:
     from cpudist.bench.figures import FIGURES, format_table
-    from cpudist.bench.peers import run_vs
+    from cpudist.bench.peers import PEERS, run_vs
     from cpudist.report.plots import write_vs_plot
 
     outcome = run_vs(ns.vs, config, args, ns.rounds, ns.allocator, ns.hf_allocator)
+    peer_name = PEERS[ns.vs][0]
     sides = list(outcome.best)
     print(format_table(outcome.best, ratios=[("cpudist", side) for side in sides[1:]]))
     if ns.json:
@@ -119,8 +125,8 @@ def _run_vs(ns: argparse.Namespace, config: Config, args: BenchArgs) -> int:
         if outcome.ratios_same_malloc is not None:
             series.append(("same malloc", outcome.ratios_same_malloc))
         ours = outcome.best["cpudist"]
-        png = write_vs_plot(series, {key: label for key, label, _ in FIGURES}, "HF Trainer+PEFT",
-                            f"cpudist vs HF Trainer+PEFT: {ours.data.split(':')[0]}, "
+        png = write_vs_plot(series, {key: label for key, label, _ in FIGURES}, peer_name,
+                            f"cpudist vs {peer_name}: {ours.data.split(':')[0]}, "
                             f"{ours.dtype.split(':')[0]}", ns.json.with_suffix(".png"))
         print(f"written: {ns.json}, {png}")
     return 0

@@ -15,9 +15,12 @@ from cpudist.commands.common import (
 )
 from cpudist.errors import UserError
 
-HELP = "loss, perplexity and token accuracy on a data file, or accuracy on a task"
+HELP = ("loss, perplexity and token accuracy on a data file (preference pairs: how often base and "
+        "adapter prefer the chosen answer), or accuracy on a task")
 DESCRIPTION = ("Evaluate base (+ adapter) on --data FILE with the trainer's own validation code "
-               "(the loss equals what training logs for the same validation file), or on --task "
+               "(the loss equals what training logs for the same validation file; on preference "
+               "pairs, data.format=preference, how often the base and the adapter prefer the "
+               "chosen answer and the adapter's DPO reward accuracy against the base), or on --task "
                "FILE, a multiple-choice or QA task (JSONL, or an lm-evaluation-harness task YAML): "
                "accuracy of the base and of base + adapter, written to eval.json in the adapter's "
                "run directory.")
@@ -61,7 +64,7 @@ def _max_length(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cpudist.config import Config, DataConfig, DistConfig, TrainConfig
+    from cpudist.config import Config, DataConfig, DistConfig, PreferenceConfig, TrainConfig
     from cpudist.infer.evaluate import evaluate_file
     from cpudist.infer.session import open_session
     from cpudist.runtime.process import start_process
@@ -70,14 +73,16 @@ def run(args: argparse.Namespace) -> int:
         return _run_task(args)
     chosen = trained_model(args, args.dtype, {
         "data.format": args.format, "data.max_length": args.max_length,
-        "train.batch_size": args.batch_size, "data.system_prompt": args.system})
+        "train.batch_size": args.batch_size, "data.system_prompt": args.system,
+        "preference.beta": None})
     settings = chosen.settings
     config = Config(
         model=chosen.model,
         data=DataConfig(path=args.data, format=settings["data.format"],
                         max_length=settings["data.max_length"],
                         system_prompt=settings["data.system_prompt"], val_fraction=0.0),
-        train=TrainConfig(batch_size=settings["train.batch_size"], eval_batches=args.max_batches))
+        train=TrainConfig(batch_size=settings["train.batch_size"], eval_batches=args.max_batches),
+        preference=PreferenceConfig(beta=settings["preference.beta"]))
     classifier = _is_classifier(chosen.adapter, settings["data.format"])
     with start_process(DistConfig()) as process:
         session = open_session(config, process, chosen.adapter)

@@ -2,10 +2,11 @@
 
 For supervised fine-tuning a sample is a conversation (a list of {role, content} messages; only
 assistant turns carry loss) or a plain string (every token carries loss); a classification record
-is a LabelledText. To add a format, write `def name(row, where)` that returns one, raising
-UserError that names `where` (FILE:LINE) for a record that does not fit, register it in FORMATS
-(`data.format=name` then reads it, and the config accepts the name) and, when it is not an SFT
-format, name the objectives that read it in FORMAT_OBJECTIVES.
+is a LabelledText; the preference format gives a PreferencePair (a prompt, a chosen and a rejected
+answer) for train.objective=dpo or orpo. To add a format, write `def name(row, where)` that
+returns one, raising UserError that names `where` (FILE:LINE) for a record that does not fit,
+register it in FORMATS (`data.format=name` then reads it, and the config accepts the name) and,
+when it is not an SFT format, name the objectives that read it in FORMAT_OBJECTIVES.
 """
 
 from __future__ import annotations
@@ -97,13 +98,55 @@ def classification(row: dict[str, Any], where: str) -> LabelledText:
     return LabelledText(str(row["text"]), None if pair is None else str(pair), names, multi)
 
 
+@dataclass(frozen=True)
+class PreferencePair:
+    """A prompt and two answers to it, the chosen one better (train.objective=dpo or orpo).
+    A conversation's prompt is rendered with the chat template; a plain string is plain text."""
+
+    prompt: Messages | str
+    chosen: str
+    rejected: str
+
+
+def _answer(value: Any, key: str, where: str) -> str:
+    """An answer given as a string, or as TRL writes it: a list of one assistant message."""
+    if isinstance(value, str):
+        return value
+    if (isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict)
+            and value[0].get("role") == "assistant" and "content" in value[0]):
+        return str(value[0]["content"])
+    raise UserError(f"{where}: '{key}' must be a string or a list of one assistant message "
+                    "[{\"role\": \"assistant\", \"content\": ...}]")
+
+
+def preference(row: dict[str, Any], where: str) -> PreferencePair:
+    """'prompt' (a string, or chat messages), 'chosen' and 'rejected' (strings, or a list of one
+    assistant message each): a pair for train.objective=dpo or orpo."""
+    missing = [key for key in ("prompt", "chosen", "rejected") if row.get(key) is None]
+    if missing:
+        raise UserError(f"{where}: data.format=preference needs fields prompt, chosen and rejected; "
+                        f"missing {', '.join(missing)}")
+    chosen = _answer(row["chosen"], "chosen", where)
+    rejected = _answer(row["rejected"], "rejected", where)
+    prompt = row["prompt"]
+    if isinstance(prompt, list):
+        prompt = chat({"messages": prompt}, where)
+    elif not isinstance(prompt, str):
+        raise UserError(f"{where}: 'prompt' must be a string or a list of {{role, content}} messages")
+    elif not isinstance(row["chosen"], str):  # answers as messages: the prompt is a user turn
+        prompt = [{"role": "user", "content": prompt}]
+    return PreferencePair(prompt, chosen, rejected)
+
+
 # data.format name -> the function that reads a record of that format.
 FORMATS: dict[str, Callable[[dict[str, Any], str], Any]] = {
-    "alpaca": alpaca, "chat": chat, "text": text, "classification": classification}
+    "alpaca": alpaca, "chat": chat, "text": text, "classification": classification,
+    "preference": preference}
 
 # data.format name -> the objectives that read it (train.objective=auto takes the first);
 # a format not named here is read by sft.
-FORMAT_OBJECTIVES: dict[str, tuple[str, ...]] = {"classification": ("classification",)}
+FORMAT_OBJECTIVES: dict[str, tuple[str, ...]] = {"classification": ("classification",),
+                                                 "preference": ("dpo", "orpo")}
 
 
 def objectives_of(fmt: str) -> tuple[str, ...]:
@@ -111,9 +154,9 @@ def objectives_of(fmt: str) -> tuple[str, ...]:
     return FORMAT_OBJECTIVES.get(fmt, ("sft",))
 
 
-def to_sample(row: dict[str, Any], fmt: str, where: str, system: str | None) -> Sample:
-    """The record as a sample of format fmt (an SFT format), with the system prompt first in a
-    conversation."""
+def to_sample(row: dict[str, Any], fmt: str, where: str, system: str | None
+              ) -> Sample | PreferencePair:
+    """The record as a sample of format fmt, with the system prompt first in a conversation."""
     sample = FORMATS[fmt](row, where)
     if isinstance(sample, list) and system and (not sample or sample[0]["role"] != "system"):
         sample = [{"role": "system", "content": system}, *sample]

@@ -13,6 +13,8 @@ from cpudist.jsonl import read_jsonl
 BUILTIN_CORPORA = {"chatterbot:english": "english", "chatterbot:chinese": "chinese"}
 # The corpus's questions labelled by the topic file they come from (data.format=classification).
 BUILTIN_TOPICS = {"chatterbot-topics:english": "english", "chatterbot-topics:chinese": "chinese"}
+# Preference pairs made from a chatterbot corpus (data.format=preference): see _chatterbot_pairs.
+BUILTIN_PAIRS = {"chatterbot-pairs:english": "english", "chatterbot-pairs:chinese": "chinese"}
 
 
 def _chatterbot_folder(language: str) -> Path:
@@ -70,12 +72,41 @@ def _chatterbot_topics(language: str, target: Path) -> None:
                        encoding="utf-8")
 
 
+def _chatterbot_pairs(corpus: Path, target: Path) -> None:
+    """Preference pairs from a chatterbot corpus file: each question, its own answer as chosen and
+    an answer to another question as rejected (drawn with a fixed seed among answers that differ
+    from the question's own). Honest preferences, if easy ones: the rejected answer is fluent but
+    off-topic."""
+    import random
+
+    rows = [json.loads(line) for line in corpus.read_text(encoding="utf-8").splitlines()]
+    answers = [row["messages"][1]["content"] for row in rows]
+    rng = random.Random(0)
+    pairs = []
+    for row, chosen in zip(rows, answers, strict=True):
+        rejected = chosen
+        while rejected == chosen:
+            rejected = answers[rng.randrange(len(answers))]
+        pairs.append({"prompt": [row["messages"][0]], "chosen": chosen, "rejected": rejected})
+    with replacing(target) as tmp:
+        tmp.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in pairs),
+                       encoding="utf-8")
+
+
 def resolve_data_path(path: str, cache_dir: str) -> Path:
     if path in BUILTIN_TOPICS:
         target = Path(cache_dir) / f"chatterbot-topics-{BUILTIN_TOPICS[path]}.jsonl"
         with file_lock(target.with_suffix(".lock")):
             if not target.exists():
                 _chatterbot_topics(BUILTIN_TOPICS[path], target)
+        return target
+    if path in BUILTIN_PAIRS:
+        language = BUILTIN_PAIRS[path]
+        corpus = resolve_data_path(f"chatterbot:{language}", cache_dir)
+        target = Path(cache_dir) / f"chatterbot-pairs-{language}.jsonl"
+        with file_lock(target.with_suffix(".lock")):
+            if not target.exists():
+                _chatterbot_pairs(corpus, target)
         return target
     if path in BUILTIN_CORPORA:
         target = Path(cache_dir) / f"chatterbot-{BUILTIN_CORPORA[path]}.jsonl"
@@ -86,8 +117,9 @@ def resolve_data_path(path: str, cache_dir: str) -> Path:
     resolved = Path(path).expanduser()
     if not resolved.exists():
         raise UserError(f"data file {path} not found (data.path); give a .jsonl, .json or .parquet "
-                        "file, a saved datasets directory, chatterbot:english, or (topic "
-                        "classification) chatterbot-topics:english")
+                        "file, a saved datasets directory, chatterbot:english, (topic "
+                        "classification) chatterbot-topics:english or (preference pairs) "
+                        "chatterbot-pairs:english")
     return resolved
 
 

@@ -35,26 +35,32 @@ def tokenize_conversation(tokenizer: Any, messages: Messages) -> tuple[list, lis
     return ids, labels
 
 
+def render_chat(tokenizer: Any, messages: Messages, generation_prompt: bool) -> str:
+    """The conversation as the tokenizer's chat template writes it; a template that refuses it is
+    a UserError."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+    except TemplateError as exc:  # the template's own raise_exception(...) among them
+        raise UserError(f"the tokenizer's chat template refused this conversation ({exc}); give "
+                        "it the roles it takes (some templates take no system turn, or need user "
+                        "and assistant turns to alternate)") from None
+
+
 def _tokenize_conversation(tokenizer: Any, messages: Messages) -> tuple[list, list, bool]:
     """tokenize_conversation's ids and labels, and whether only the last answer carries loss."""
     if tokenizer.chat_template is None:
         prompt = ALPACA_TEMPLATE.format(
             instruction="\n\n".join(m["content"] for m in messages if m["role"] != "assistant"))
         answer = "\n".join(m["content"] for m in messages if m["role"] == "assistant")
-        ids, labels = _label_spans(tokenizer, prompt + answer, [(len(prompt), len(prompt + answer))],
+        ids, labels = label_spans(tokenizer, prompt + answer, [(len(prompt), len(prompt + answer))],
                                    add_special_tokens=True)
         return ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id], False
 
     def render(upto: int, generation_prompt: bool) -> str:
-        from jinja2 import TemplateError
-
-        try:
-            return tokenizer.apply_chat_template(messages[:upto], tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
-        except TemplateError as exc:  # the template's own raise_exception(...) among them
-            raise UserError(f"the tokenizer's chat template refused this conversation ({exc}); give "
-                            "it the roles it takes (some templates take no system turn, or need user "
-                            "and assistant turns to alternate)") from None
+        return render_chat(tokenizer, messages[:upto], generation_prompt)
 
     answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
     spans: list[tuple[int, int]] = []
@@ -79,11 +85,11 @@ def _tokenize_conversation(tokenizer: Any, messages: Messages) -> tuple[list, li
                             "template")
         spans = [(len(before), len(done))]
     # As apply_chat_template(tokenize=True): the template writes whatever special tokens it wants.
-    ids, labels = _label_spans(tokenizer, done, spans, add_special_tokens=False)
+    ids, labels = label_spans(tokenizer, done, spans, add_special_tokens=False)
     return ids, labels, last_only
 
 
-def _label_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]], add_special_tokens: bool
+def label_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]], add_special_tokens: bool
                  ) -> tuple[list[int], list[int]]:
     """text tokenized whole; a token is its own label where it overlaps one of spans (character
     ranges), IGNORE elsewhere."""
@@ -142,6 +148,9 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, config: Data
         if not isinstance(row, dict):
             raise UserError(f"{where}: each record must be an object")
         sample = to_sample(row, config.format, where, config.system_prompt)
+        if not isinstance(sample, (str, list)):
+            raise UserError(f"{where}: data.format={config.format} rows are not for "
+                            "train.objective=sft (data.format=preference: train.objective=dpo or orpo)")
         if isinstance(sample, str):
             ids = tokenizer(sample, add_special_tokens=True)["input_ids"]
             ids = ids + [tokenizer.eos_token_id]

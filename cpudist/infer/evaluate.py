@@ -1,7 +1,11 @@
 """`cpudist eval --data FILE`: the validation figures a run logs (the same objective and scoring
-code, so the two give the same loss for the same file), with token accuracy."""
+code, so the two give the same loss for the same file), with token accuracy; on preference pairs,
+how often base and adapter prefer the chosen answer, and the DPO figures."""
 
 from __future__ import annotations
+
+import contextlib
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -11,7 +15,7 @@ from cpudist.infer.session import Session
 from cpudist.model.loss import CausalLMLoss, LossOutput, label_positions
 from cpudist.objectives.evaluation import evaluate
 from cpudist.objectives.sft import SFT
-from cpudist.records import DataEvalResult
+from cpudist.records import DataEvalResult, PreferenceEvalResult
 
 
 class TokenAccuracy(nn.Module):
@@ -42,9 +46,10 @@ class TokenAccuracy(nn.Module):
         return output
 
 
-def evaluate_file(session: Session, limit: int | None = None) -> DataEvalResult:
+def evaluate_file(session: Session, limit: int | None = None
+                  ) -> DataEvalResult | PreferenceEvalResult:
     """Loss, perplexity and token accuracy of the session's model on data.path (all of it: the
-    validation split of a run is its own file here)."""
+    validation split of a run is its own file here); preference pairs: evaluate_pairs."""
     from cpudist.data.read import resolve_data_path
     from cpudist.data.tokenize import load_tokenized
 
@@ -53,6 +58,8 @@ def evaluate_file(session: Session, limit: int | None = None) -> DataEvalResult:
         path = resolve_data_path(data_config.path, data_config.cache_dir)
     except UserError as exc:
         raise UserError(str(exc).replace("(data.path)", "(--data)")) from exc
+    if data_config.format == "preference":
+        return evaluate_pairs(session, path, limit)
     data, stats = load_tokenized(path, session.tokenizer, data_config)
     objective = SFT(session.config)
     loss = objective.loss_module(session.model)
@@ -66,4 +73,57 @@ def evaluate_file(session: Session, limit: int | None = None) -> DataEvalResult:
         loss=figures["val_loss"], perplexity=figures["val_ppl"],
         token_accuracy=scorer.correct / scorer.counted, label_tokens=scorer.counted,
         samples=len(data), truncated=stats["truncated"], dropped=stats["dropped_no_labels"],
+        dtype=session.precision.describe(), data=str(path))
+
+
+class PairPreferences(nn.Module):
+    """DPO's loss module (the training code's validation figures) with the base as reference, plus
+    counts of pairs whose chosen answer the base and the adapter give the higher log-probability
+    (a tie counts half)."""
+
+    def __init__(self, inner: nn.Module, has_adapter: bool) -> None:
+        from cpudist.objectives.reference import Reference
+
+        super().__init__()
+        self.inner = inner
+        self.reference = Reference(inner.model, None) if has_adapter else None
+        self.pairs = 0
+        self.base = self.adapter = 0.0
+
+    @staticmethod
+    def _prefers(logps: torch.Tensor) -> float:
+        pairs = logps.shape[0] // 2
+        difference = logps[:pairs] - logps[pairs:]
+        return float((difference > 0).sum() + 0.5 * (difference == 0).sum())
+
+    def forward(self, **batch: torch.Tensor) -> LossOutput:
+        with self.reference.active() if self.reference else contextlib.nullcontext():
+            base, _ = self.inner.row_logps(batch["input_ids"], batch["attention_mask"], batch["labels"])
+        self.base += self._prefers(base)
+        self.pairs += base.shape[0] // 2
+        output = self.inner(**batch, reference=base)
+        self.adapter += self._prefers(self.inner.last_logps)
+        return output
+
+
+def evaluate_pairs(session: Session, path: Path, limit: int | None = None) -> PreferenceEvalResult:
+    """How often the base and base + adapter prefer the chosen answers of a preference file, and
+    the adapter's DPO figures with the base as reference (as a run's validation computes them)."""
+    from cpudist.data.preference import load_pairs
+    from cpudist.objectives.preference import DPO, PairLoss
+
+    config = session.config
+    data, stats = load_pairs(path, session.tokenizer, config.data)
+    has_adapter = hasattr(session.model, "disable_adapter")
+    scorer = PairPreferences(PairLoss(session.model, config, "dpo"), has_adapter)
+    figures = evaluate(DPO(config), scorer, data, config.train.batch_size, session.pad_id,
+                       session.precision, session.process.placement, limit)
+    adapter = figures if has_adapter else {}
+    return PreferenceEvalResult(
+        base_accuracy=scorer.base / scorer.pairs,
+        adapter_accuracy=scorer.adapter / scorer.pairs if has_adapter else None,
+        reward_accuracy=adapter.get("val_reward_accuracy"),
+        reward_margin=adapter.get("val_reward_margin"), loss=adapter.get("val_loss"),
+        beta=config.preference.beta, pairs=scorer.pairs, truncated=stats["truncated"],
+        dropped=stats["dropped_long_prompt"] + stats["dropped_identical"],
         dtype=session.precision.describe(), data=str(path))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpudist.errors import USER_ERROR_EXIT, UserError
+from cpudist.errors import ExitCode, UserError
 from cpudist.launch import hostfile as hostfiles
 from cpudist.launch.mpi import build_command, caller_settings, detect_mpi, prepare_hostfile
 from cpudist.runtime.allocator import choose_allocator
@@ -40,16 +40,23 @@ class Restarts:
 
 
 def restart_reason(code: int, stopped: bool) -> str | None:
-    """Why a finished job is worth starting again; None when it is not: it succeeded, the user
-    stopped it (Ctrl-C, SIGTERM), or it failed on bad input, which a restart would repeat."""
-    if stopped or code in (0, USER_ERROR_EXIT, 130):
+    """Why a finished job is worth starting again; None when it is not: it finished, the user
+    stopped it (Ctrl-C, SIGTERM), or it ended in a class a restart would repeat (bad input, the
+    memory plan, an internal error: cpudist.errors.ExitCode)."""
+    if stopped:
         return None
+    try:
+        known = ExitCode(code)
+    except ValueError:
+        known = None
+    if known is not None:
+        return f"exit status {code}: {known.describe()}" if known.retry else None
     if code > 128:
         try:
             return f"exit status {code}: a rank was killed by {signal.Signals(code - 128).name}"
         except ValueError:
             pass
-    return f"exit status {code}: a rank failed"
+    return f"exit status {code}: a rank or mpirun failed"
 
 
 def launch(np: int, program: Sequence[str], *, hostfile: str | None = None,

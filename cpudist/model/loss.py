@@ -26,12 +26,18 @@ def softmax_rows() -> int:
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_i CE(hidden_i @ W^T + b, target_i), with d/dhidden computed chunk by chunk in forward."""
+    """sum_i CE(hidden_i @ W^T + b, target_i), with d/dhidden computed chunk by chunk in forward.
+
+    With `segments` (a segment index per row, `count` segments) it returns the per-segment sums
+    instead of one total: the log-probability of each sequence of a preference batch, in the same
+    single pass. d(CE_i)/d(hidden_i) does not depend on which sum row i goes to, so backward only
+    scales each row's precomputed gradient by its segment's incoming gradient."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, chunk: int, softcap: float | None = None) -> torch.Tensor:
-        total = hidden.new_zeros((), dtype=torch.float32)
+                targets: torch.Tensor, chunk: int, softcap: float | None = None,
+                segments: torch.Tensor | None = None, count: int = 1) -> torch.Tensor:
+        total = hidden.new_zeros((count,) if segments is not None else (), dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
         # Vocabulary-wide buffers serve every chunk (logits for the chunk, fp32 for a few of its
         # rows). A fresh 100+ MB tensor per chunk and op cost more than the softmax itself:
@@ -65,7 +71,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     squashed = torch.div(logp, softcap, out=tanh_buffer[: part.shape[0]]).tanh_()
                     torch.mul(squashed, softcap, out=logp)
                 torch.log_softmax(logp, dim=-1, out=logp)
-                total -= logp.gather(1, part_target[:, None]).sum()
+                picked = logp.gather(1, part_target[:, None])
+                if segments is None:
+                    total -= picked.sum()
+                else:
+                    at = start + first
+                    total.index_add_(0, segments[at : at + part.shape[0]], picked[:, 0], alpha=-1)
                 if grad_hidden is not None:
                     # d(CE)/d(logits) = softmax - one_hot, then back through the frozen head.
                     probs = logp.exp_()
@@ -80,14 +91,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     torch.mm(logits, weight, out=grad_rows)
                 else:
                     grad_rows.copy_(logits @ weight)
-        ctx.save_for_backward(grad_hidden)
+        ctx.save_for_backward(grad_hidden, segments)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (grad_hidden,) = ctx.saved_tensors
-        grad = None if grad_hidden is None else grad_hidden * grad_output.to(grad_hidden.dtype)
-        return grad, None, None, None, None, None
+        grad_hidden, segments = ctx.saved_tensors
+        if grad_hidden is None:
+            return (None,) * 8
+        scale = grad_output.to(grad_hidden.dtype)
+        if segments is not None:  # each row's gradient times its sequence's incoming gradient
+            scale = scale.index_select(0, segments)[:, None]
+        return grad_hidden * scale, None, None, None, None, None, None, None
 
 
 def label_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +131,38 @@ def chunked_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
         return total, int(targets.numel())
     total = _ChunkedLinearCrossEntropy.apply(rows, head.weight, head.bias, targets, chunk, softcap)
     return total, int(targets.numel())
+
+
+def chunked_row_logps(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, chunk: int,
+                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each row's label tokens summed, label tokens per row) from final hidden
+    states: the label-only chunked head, one sum per row, never a full row of logits."""
+    flat_index, targets = label_positions(labels)
+    rows_of = torch.div(flat_index, labels.shape[1], rounding_mode="floor")
+    count = labels.shape[0]
+    counts = torch.bincount(rows_of, minlength=count)
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_index)
+    if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
+        total = torch.zeros(count, dtype=torch.float32)
+        for start in range(0, rows.shape[0], chunk):
+            logits = head(rows[start : start + chunk]).float()
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            nll = F.cross_entropy(logits, targets[start : start + chunk], reduction="none")
+            total = total.index_add(0, rows_of[start : start + chunk], nll)
+        return -total, counts
+    nll = _ChunkedLinearCrossEntropy.apply(rows, head.weight, head.bias, targets, chunk, softcap,
+                                           rows_of, count)
+    return -nll, counts
+
+
+def full_row_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference path of chunked_row_logps: full logits for every position."""
+    shifted = labels[:, 1:]
+    mask = shifted != IGNORE
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(2, shifted.clamp(min=0)[..., None])[..., 0]
+    return (picked * mask).sum(dim=1), mask.sum(dim=1)
 
 
 def full_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:

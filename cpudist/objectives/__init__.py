@@ -8,9 +8,11 @@ from cpudist.data.formats import objectives_of
 from cpudist.errors import UserError
 from cpudist.objectives.base import Datasets, ModelBatch, Objective, Prompt, Split
 from cpudist.objectives.classification import Classification
+from cpudist.objectives.preference import DPO, ORPO
 from cpudist.objectives.sft import SFT
 
-OBJECTIVES: dict[str, type[Objective]] = {"sft": SFT, "classification": Classification}
+OBJECTIVES: dict[str, type[Objective]] = {"sft": SFT, "classification": Classification,
+                                          "dpo": DPO, "orpo": ORPO}
 
 
 def objective_name(config: Config) -> str:
@@ -19,7 +21,7 @@ def objective_name(config: Config) -> str:
     allowed = objectives_of(config.data.format)
     name = config.train.objective
     if name == "auto":
-        return allowed[0]
+        return config.objective_name()
     if name not in allowed:
         raise UserError(f"train.objective={name} cannot train on data.format={config.data.format} "
                         f"(its records are for {' or '.join(allowed)}); use train.objective=auto "

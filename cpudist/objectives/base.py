@@ -16,7 +16,9 @@ and the bench are written once against this interface. An objective says:
 - what evaluation reports: `eval_metrics(sums)` names the validation figures ("val_loss", ...),
   `describe_eval` puts a before/after pair in words;
 - what a run shows besides its figures: `held_out_prompts` (answered before and after training);
-- what is saved besides the adapter: `save_extras(directory)`.
+- what is saved besides the adapter: `save_extras(directory)`;
+- what must be done once the engine is set up and its checkpoint applied, before the first step
+  (a pass over the data such as DPO's reference log-probabilities): `prepare(engine)`.
 
 To add an objective, subclass Objective and register it in cpudist.objectives.OBJECTIVES; the
 name becomes a value of train.objective.
@@ -28,13 +30,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
 from cpudist.config import Config
 from cpudist.model.load import LM_HEAD, Head
+
+if TYPE_CHECKING:
+    from cpudist.train.engine import Engine
 
 
 class Split(Protocol):
@@ -79,6 +84,8 @@ class Objective(ABC):
     # The sums a loss module reports besides loss and units (LossOutput.metrics), in a fixed
     # order: every rank allreduces the same vector even when it saw no batch.
     metric_names: ClassVar[tuple[str, ...]] = ()
+    # Sequences a sample puts through the model (a preference pair: 2), for the memory plan.
+    sequences_per_sample: ClassVar[int] = 1
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -128,3 +135,9 @@ class Objective(ABC):
     def save_extras(self, directory: Path) -> None:
         """Files besides the adapter that reloading the trained model needs (none by default)."""
         return None
+
+    def prepare(self, engine: Engine) -> str:
+        """Work after the engine is built and its checkpoint applied, before the first step and
+        the validation before training (every rank calls it; none by default). Returns what it
+        did, in a few words for the bench's table ("" for nothing)."""
+        return ""

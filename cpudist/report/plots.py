@@ -109,7 +109,8 @@ def _line_plot(path: Path, title: str, ylabel: str,
 
 def write_plots(records: list[MetricsLine], summary: RunSummary | None, out_dir: Path
                 ) -> list[Path]:
-    """loss.png, lr.png, throughput.png in out_dir."""
+    """loss.png, lr.png, throughput.png in out_dir; for preference pairs also rewards.png and
+    reward_accuracy.png."""
     train_steps, train_loss = _series(records, "loss")
     val_steps, val_loss = _series(records, "val_loss")
     before = summary.eval_before.get("val_loss") if summary else None
@@ -125,12 +126,38 @@ def write_plots(records: list[MetricsLine], summary: RunSummary | None, out_dir:
         loss_lines.append((f"train (mean of last {_SMOOTH})", train_steps, means))
     loss_lines.append(("validation", val_steps, val_loss))
     marks = [float(r.resumed_from_step or 0) for r in restarts(records)]
+    pairs = bool(_series(records, "reward_margin")[0])
     return [
-        _line_plot(out_dir / "loss.png", "loss", "cross-entropy per label token", loss_lines,
-                   marks=marks),
+        _line_plot(out_dir / "loss.png", "loss", "loss per pair" if pairs else
+                   "cross-entropy per label token", loss_lines, marks=marks),
         _line_plot(out_dir / "lr.png", "learning rate", "lr", [("lr", lr_steps, lr)]),
         _line_plot(out_dir / "throughput.png", "throughput (all ranks)", "tokens/s",
                    [("tokens/s", tps_steps, tps)]),
+        *(_reward_plots(records, summary, out_dir, marks) if pairs else []),
+    ]
+
+
+def _reward_plots(records: list[MetricsLine], summary: RunSummary | None, out_dir: Path,
+                  marks: list[float]) -> list[Path]:
+    """rewards.png and reward_accuracy.png of a preference run (DPO, ORPO): per step, and the
+    validation figures (before training at step 0)."""
+    def validation(key: str) -> tuple[list[float], list[float]]:
+        steps, values = _series(records, f"val_{key}")
+        before = summary.eval_before.get(f"val_{key}") if summary else None
+        if before is not None and 0.0 not in steps:
+            steps, values = [0.0, *steps], [before, *values]
+        return steps, values
+
+    rewards = [(name.replace("_", " "), *_series(records, name))
+               for name in ("reward_chosen", "reward_rejected", "reward_margin")]
+    accuracy = [("train", *_series(records, "reward_accuracy")),
+                ("validation", *validation("reward_accuracy"))]
+    return [
+        _line_plot(out_dir / "rewards.png", "rewards (beta x log-ratio to the reference)",
+                   "reward", [*rewards, ("validation margin", *validation("reward_margin"))],
+                   marks=marks),
+        _line_plot(out_dir / "reward_accuracy.png", "reward accuracy (chosen rewarded above "
+                   "rejected; ties count half)", "share of pairs", accuracy, marks=marks),
     ]
 
 

@@ -29,6 +29,9 @@ class Placement:
     local_rank: int
     local_size: int
     launcher: str  # openmpi | hydra | slurm | torchrun | single
+    # How often the launcher has started this job's workers again (torchrun --max-restarts:
+    # TORCHELASTIC_RESTART_COUNT); a restarted rank resumes from the newest checkpoint.
+    restarts: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -107,14 +110,43 @@ def detect_placement(env: Mapping[str, str] | None = None) -> Placement:
         local_size = _int(env, "LOCAL_WORLD_SIZE")
         launcher = "torchrun"
     else:
+        _check_kubeflow(env)
         return Placement(0, 1, 0, 1, "single")
     if rank is None or world is None:
         raise UserError(f"launched by {launcher} but its rank or world size variable is empty; "
                         "start cpudist through mpirun, srun or torchrun unchanged")
     if local_rank is None or local_size is None:
         # Launcher did not say how many ranks share this node: assume one per node.
+        _check_kubeflow(env)
         local_rank, local_size = 0, 1
-    return Placement(rank, world, local_rank, local_size, launcher)
+    restarts = (_int(env, "TORCHELASTIC_RESTART_COUNT") or 0) if launcher == "torchrun" else 0
+    return Placement(rank, world, local_rank, local_size, launcher, restarts)
+
+
+def _check_kubeflow(env: Mapping[str, str]) -> None:
+    """Kubeflow's PyTorchJob and TrainJob pass torchrun's settings as PET_* variables (torchrun
+    reads PET_NPROC_PER_NODE as --nproc-per-node, ...): asked for several processes per pod but
+    started without torchrun, this process would be the only one."""
+    nproc = env.get("PET_NPROC_PER_NODE", "")
+    if nproc.isdigit() and int(nproc) > 1:
+        raise UserError(f"PET_NPROC_PER_NODE={nproc} asks for {nproc} processes per node, but "
+                        "cpudist was not started by torchrun: make the container's command "
+                        "`torchrun --no-python cpudist train ...` (torchrun reads the PET_* "
+                        "variables)")
+
+
+def thread_override(placement: Placement, threads: int, setting: int | None,
+                    env: Mapping[str, str] | None = None) -> str | None:
+    """What this rank changes of the thread count its launcher set (torchrun sets
+    OMP_NUM_THREADS=1 for every worker), in words for the log; None when nothing."""
+    env = os.environ if env is None else env
+    given = env.get("OMP_NUM_THREADS", "").strip()
+    if not given or given == str(threads):
+        return None
+    why = (f"dist.threads_per_rank={setting}" if setting is not None else
+           f"this rank's share of the node's physical cores ({placement.local_size} rank(s) on "
+           "this node; dist.threads_per_rank sets another number)")
+    return f"OMP_NUM_THREADS={given} from the environment replaced by {threads}: {why}"
 
 
 def slurm_node_memory_mb(env: Mapping[str, str] | None = None) -> int | None:

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from cpudist.errors import UserError
+from cpudist.errors import PlanRefused, UserError
 from cpudist.runtime.cluster import Placement, mpi_available, rendezvous
 
 log = logging.getLogger("cpudist")
@@ -59,17 +59,58 @@ def init_process_group(placement: Placement, backend_request: str, master_addr: 
     if interface:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
     addr, port = rendezvous(placement, master_addr, master_port, interface)
-    if not interface and addr == "127.0.0.1":
+    if not interface and addr in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{addr}:{port}",
-        rank=placement.rank,
-        world_size=placement.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    return (f"backend={backend_request}->{backend} ({why}); rendezvous tcp://{addr}:{port} "
-            f"via {placement.launcher}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    where = f"tcp://{addr}:{port}"
+    if (placement.launcher == "torchrun" and master_addr is None
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        store, where = torchrun_store(placement, addr, port, timeout_s)
+        dist.init_process_group(backend=backend, store=store, rank=placement.rank,
+                                world_size=placement.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, init_method=where, rank=placement.rank,
+                                world_size=placement.world_size, timeout=timeout)
+    return f"backend={backend_request}->{backend} ({why}); rendezvous {where} via {placement.launcher}"
+
+
+def torchrun_store(placement: Placement, addr: str, port: int, timeout_s: float) -> tuple[Any, str]:
+    """A store of this start of the workers alone, hosted by rank 0, and where it is.
+
+    torchrun's agent keeps one store for every start of the workers (restarts, membership
+    changes) and gives it to them without a fresh key prefix, so a restarted rank can read the
+    keys its predecessors wrote (gloo's peer addresses: "Connection refused" to a dead rank).
+    Rank 0 publishes a new store there; the others take the published one once it answers with
+    its token, and read the key again while it does not (left from an earlier start)."""
+    import secrets
+    import time
+
+    from torch.distributed import TCPStore
+
+    key = "cpudist/store"
+    shared = TCPStore(addr, port, placement.world_size, is_master=False,
+                      timeout=datetime.timedelta(seconds=timeout_s))
+    if placement.rank == 0:
+        own = TCPStore(addr, 0, placement.world_size, is_master=True, wait_for_workers=False,
+                       timeout=datetime.timedelta(seconds=timeout_s))
+        token = secrets.token_hex(8)
+        own.set("token", token)
+        shared.set(key, f"{addr} {own.port} {token}")
+        return own, f"tcp://{addr}:{own.port} (this start's store, from torchrun's {port})"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        host, own_port, token = shared.get(key).decode().split()
+        try:
+            own = TCPStore(host, int(own_port), placement.world_size, is_master=False,
+                           timeout=datetime.timedelta(seconds=3))
+            if own.get("token").decode() == token:
+                return own, f"tcp://{host}:{own_port} (this start's store, from torchrun's {port})"
+        except RuntimeError:
+            pass  # an earlier start's store, gone
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Timed out: rank 0 published no store of this start in "
+                               f"torchrun's store {addr}:{port} within {timeout_s:g} s")
+        time.sleep(0.2)
 
 
 def shutdown() -> None:
@@ -320,11 +361,15 @@ def barrier(placement: Placement) -> None:
         dist.barrier()
 
 
-def agree_on_error(placement: Placement, error: str | None) -> None:
-    """Raise the same UserError on every rank if any rank hit one (no rank is left waiting)."""
-    first = next((e for e in all_gather(error, placement) if e), None)
+def agree_on_error(placement: Placement, error: UserError | None) -> None:
+    """Raise the same UserError on every rank if any rank hit one (no rank is left waiting); a
+    PlanRefused stays one (it has an exit status of its own)."""
+    kind = PlanRefused if isinstance(error, PlanRefused) else UserError
+    gathered = all_gather(None if error is None else (kind, str(error)), placement)
+    first = next((e for e in gathered if e), None)
     if first:
-        raise UserError(first)
+        kind, message = first
+        raise kind(message)
 
 
 def agreed(placement: Placement, action: Callable[[], T]) -> T:
@@ -333,7 +378,7 @@ def agreed(placement: Placement, action: Callable[[], T]) -> T:
     try:
         result = action()
     except UserError as exc:
-        error = str(exc)
+        error = exc
     agree_on_error(placement, error)
     return result  # type: ignore[return-value]
 

@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from cpudist.config import DistConfig
+from cpudist.errors import ExitCode
 from cpudist.runtime.cluster import (
     Placement,
     detect_placement,
     pin_threads,
     rank_prefix,
+    thread_override,
     threads_for_rank,
 )
 from cpudist.runtime.comm import (
@@ -50,12 +52,17 @@ class Process:
     cpus: list[int] | None  # the CPUs this rank is bound to (None: affinity not supported)
     communication: str  # one line for the log: backend, rendezvous, hook, timeout
     peers: list[tuple[str, int]] = field(default_factory=list)  # (host, pid) of every rank
+    # The CPUs of every rank on this node (this one's alone when it is the only one).
+    node_cpus: list[list[int] | None] = field(default_factory=list)
 
     def describe(self) -> str:
-        cores = "not bound" if self.cpus is None else ",".join(map(str, self.cpus))
         p = self.placement
+        each = self.node_cpus if len(self.node_cpus) > 1 else [self.cpus]
+        cores = "; ".join(("not bound" if cpus is None else ",".join(map(str, cpus)))
+                          for cpus in each)
         return (f"ranks: {p.world_size} ({p.launcher}), this node: {p.local_size}, threads per "
-                f"rank: {self.threads}, cores: {cores}")
+                f"rank: {self.threads}, cores{' of each rank here' if len(each) > 1 else ''}: "
+                f"{cores}")
 
 
 def quiet_libraries() -> None:
@@ -104,9 +111,13 @@ def start_process(dist: DistConfig, debug: bool = False, resume_hint: str = "",
     placement = detect_placement()
     configure_logging(placement, debug)
     threads = threads_for_rank(placement, dist.threads_per_rank)
+    override = thread_override(placement, threads, dist.threads_per_rank)
+    if override:
+        log.info("threads: %s", override)
     cpus = pin_threads(placement, threads)
     communication = "single process"
     peers: list[tuple[str, int]] = [(socket.gethostname(), os.getpid())]
+    node_cpus: list[list[int] | None] = [cpus]
     try:
         if placement.distributed:
             communication = init_process_group(placement, dist.backend, dist.master_addr,
@@ -116,8 +127,10 @@ def start_process(dist: DistConfig, debug: bool = False, resume_hint: str = "",
                                   if dist.mpi_nonblocking else "; DDP comm hook: MPI Allreduce")
             communication += f"; collective timeout {dist.timeout_s:g} s"
             # Who runs where: if a peer vanishes, this rank can say which one (on its own node).
-            peers = all_gather(peers[0], placement)
-        yield Process(placement, threads, cpus, communication, peers)
+            everyone = all_gather((*peers[0], cpus), placement)
+            peers = [(host, pid) for host, pid, _ in everyone]
+            node_cpus = [c for host, _, c in everyone if host == peers[placement.rank][0]]
+        yield Process(placement, threads, cpus, communication, peers, node_cpus)
         # Every rank ends here together (done, or stopped by a signal). gloo's worker threads
         # drop the tensors of the last collective (Python-owned, from *_object collectives)
         # after wait() returns; if that lands during interpreter shutdown the process aborts.
@@ -127,14 +140,16 @@ def start_process(dist: DistConfig, debug: bool = False, resume_hint: str = "",
     except RuntimeError as exc:
         if not placement.distributed or debug or not lost_peer(exc):
             raise
+        code = ExitCode.LOST_PEER
         log.error("error: lost contact with the other ranks (%s). %s; see the other ranks' output "
-                  "(mpirun names a rank that died).%s", first_line(exc),
-                  peer_fate(peers, placement.rank), f" {resume_hint}" if resume_hint else "")
+                  "(mpirun names a rank that died).%s [exit %d: %s]", first_line(exc),
+                  peer_fate(peers, placement.rank), f" {resume_hint}" if resume_hint else "",
+                  code, code.describe())
         _dump_stacks(exc, placement.rank, stacks_dir)
         sys.stdout.flush()
         sys.stderr.flush()
         # No clean shutdown: destroying the group or MPI_Finalize would wait for the lost peer.
-        os._exit(1)
+        os._exit(code)
     finally:
         shutdown()
 

@@ -30,6 +30,7 @@ from cpudist.data.batches import GlobalBatches
 from cpudist.errors import UserError
 from cpudist.infer.session import Session
 from cpudist.model.adapters import trainable_parameters
+from cpudist.model.init_adapter import apply_init_adapter, resolve_init_adapter
 from cpudist.model.load import build_model, load_tokenizer, resolve_model_path
 from cpudist.objectives import Datasets, ModelBatch, Objective, objective_for
 from cpudist.objectives.evaluation import add_sums, allreduce_sums, evaluate, zero_sums
@@ -83,6 +84,9 @@ def build_engine(config: Config, process: Process, data: DataSource | None = Non
         own = objective.load_data(tokenizer) if data is None else None
         model, tokenizer, model_dir = build_model(config, precision,
                                                   objective.model_head(tokenizer), tokenizer)
+        if config.model.init_adapter:
+            apply_init_adapter(model, resolve_init_adapter(config.model.init_adapter), config.lora,
+                               model_dir)
         datasets = own if data is None else data(tokenizer, model)
         assert datasets is not None
         return model, tokenizer, model_dir, datasets

@@ -8,6 +8,8 @@
   summary.json        final figures (cpudist.records.RunSummary)
   report.html, *.png  plots (cpudist.report.plots)
   eval.json           `cpudist eval --task` results, base and adapter, one entry per task
+  tracking.json       the MLflow / W&B runs this run is tracked in (cpudist.report.tracking)
+  wandb/              W&B's own files (tracking.wandb_project)
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cpudist.config import Config
+from cpudist.config import Config, TrackingConfig
 from cpudist.errors import UserError
 from cpudist.files import remove, replacing
-from cpudist.records import RunSummary
+from cpudist.records import RestartEvent, RunSummary
+from cpudist.report.metrics import append_event
+from cpudist.runtime.cluster import Placement
 
 if TYPE_CHECKING:
     from cpudist.objectives import Objective
@@ -32,7 +36,9 @@ log = logging.getLogger("cpudist")
 RESUMABLE_KEYS = {("train", "resume"), ("output", "overwrite"), ("train", "max_steps"),
                   ("train", "epochs"), ("dist", "threads_per_rank"), ("dist", "master_addr"),
                   ("dist", "master_port"), ("dist", "interface"), ("dist", "timeout_s"),
-                  ("train", "check_memory")}
+                  ("train", "check_memory"),
+                  # Trackers only watch the run (a changed one starts a new tracked run).
+                  *(("tracking", key) for key in TrackingConfig.model_fields)}
 
 
 def prepare_output(config: Config) -> Path:
@@ -62,7 +68,7 @@ def prepare_output(config: Config) -> Path:
                 "train.resume=auto, or set output.overwrite=true to start over"
             )
     if config.output.overwrite and config.train.resume is None and out.exists():
-        for name in ("checkpoints", "adapter", "metrics.jsonl", "summary.json"):
+        for name in ("checkpoints", "adapter", "metrics.jsonl", "summary.json", "tracking.json"):
             remove(out / name)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -95,6 +101,19 @@ def save_final_adapter(model: Any, target: Path, record: dict[str, Any] | None =
         reason = getattr(exc, "strerror", None) or str(exc)
         raise UserError(f"could not write the adapter to {target}: {reason}. The same weights are "
                         f"in the newest checkpoint under {target.parent / 'checkpoints'}") from exc
+
+
+def note_restart(out: Path, placement: Placement, step: int) -> None:
+    """The restart record of a launcher that starts the workers again itself (torchrun
+    --max-restarts), as `cpudist launch --restarts` writes one between two jobs; here rank 0
+    writes it, before it opens metrics.jsonl (which keeps such records when it is cut back)."""
+    import datetime
+
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    append_event(out / "metrics.jsonl", RestartEvent(
+        attempt=placement.restarts, reason=f"{placement.launcher} started the workers again "
+        f"(restart {placement.restarts}): a worker or node failed", resumed_from_step=step,
+        time=now))
 
 
 def resume_command(out: Path) -> str:

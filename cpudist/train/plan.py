@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cpudist.config import Config
-from cpudist.errors import UserError
+from cpudist.errors import PlanRefused, UserError
 
 log = logging.getLogger("cpudist")
 GB = 1024**3
@@ -142,7 +142,7 @@ def trainable_params(parts: Parts, config: Config) -> int:
 def _tokens(config: Config) -> int:
     """Positions a micro-batch computes: prompt tuning and P-tuning add their virtual tokens."""
     extra = config.prompt.virtual_tokens if config.peft.method in ("prompt_tuning", "p_tuning") else 0
-    return config.train.batch_size * (config.data.max_length + extra)
+    return rows_per_micro_batch(config) * (config.data.max_length + extra)
 
 
 def estimate(config: Config, parts: Parts, ranks_per_node: int, node_memory: tuple[float, str],
@@ -187,7 +187,7 @@ def frozen_gb(config: Config, parts: Parts, compute: str) -> dict[str, float]:
         frozen["embedding + tied LM head"] = parts.embedding * bytes_per / GB
     else:
         # A lookup touches only the pages of the rows it reads.
-        tokens = config.train.batch_size * config.data.max_length
+        tokens = rows_per_micro_batch(config) * config.data.max_length
         rows = min(parts.vocab, tokens * config.train.grad_accum)
         frozen["embedding (rows read)"] = min(parts.embedding, rows * parts.hidden) * bytes_per / GB
         frozen["LM head"] = parts.head * bytes_per / GB
@@ -195,10 +195,19 @@ def frozen_gb(config: Config, parts: Parts, compute: str) -> dict[str, float]:
     return frozen
 
 
+def rows_per_micro_batch(config: Config) -> int:
+    """Sequences of a micro-batch: train.batch_size samples, each of the objective's sequences
+    (a preference pair puts its chosen and its rejected answer through the model together)."""
+    from cpudist.objectives import OBJECTIVES, objective_name
+
+    return config.train.batch_size * OBJECTIVES[objective_name(config)].sequences_per_sample
+
+
 def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> dict[str, float]:
     """Each rank's own GB by part: the adapter and its optimizer state, activations, the loss
     head's buffers, the dequantization buffer, the process."""
     bytes_per = 2 if compute == "bfloat16" else 4
+    sequences = rows_per_micro_batch(config)
     tokens = _tokens(config)
     rank: dict[str, float] = {}
     ddp = 4 if ranks_per_node > 1 or config.dist.threads_per_rank else 0
@@ -214,7 +223,7 @@ def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> 
         # Eager attention saves 8 bytes per score (batch x heads x length^2) and layer for
         # backward (measured on Gemma 2, bf16 and fp32), and the layer being computed as much
         # again in transient buffers; sdpa keeps no score matrix.
-        scores = config.train.batch_size * parts.heads * config.data.max_length ** 2
+        scores = sequences * parts.heads * config.data.max_length ** 2
         holding = 1 if config.model.gradient_checkpointing else parts.layers
         rank["attention scores (eager)"] = EAGER_SCORE_BYTES * scores * (holding + 1) / GB
     chunk = config.train.loss_chunk_size
@@ -323,7 +332,7 @@ def check_fits(config: Config, ranks_per_node: int) -> MemoryPlan | None:
         log.warning("memory plan unavailable (%s); running without the check", exc)
         return None
     if not plan.fits:
-        raise UserError(one_line(plan))
+        raise PlanRefused(one_line(plan))
     log.info("memory plan: node peak about %.1f GB of %.1f GB (%s)", plan.node_peak_gb,
              plan.node_memory_gb, plan.node_memory_from)
     return plan

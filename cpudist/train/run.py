@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cpudist.config import Config
-from cpudist.errors import UserError
+from cpudist.errors import Preempted, UserError
 from cpudist.infer.generate import answer_prompts
 from cpudist.model.quantize import QuantizedLinear
 from cpudist.objectives import Prompt
 from cpudist.records import EvalRecord, HeldOutAnswer, RunSummary, StepRecord
 from cpudist.report.console import Progress
 from cpudist.report.metrics import MetricsLog
+from cpudist.report.tracking import Trackers, open_trackers
 from cpudist.runtime.allocator import in_use as allocator_in_use
 from cpudist.runtime.cluster import Placement
 from cpudist.runtime.comm import agreed, allreduce, rank0_only
@@ -37,7 +38,13 @@ from cpudist.runtime.memory import peak_rss_gb
 from cpudist.runtime.process import Process, start_process
 from cpudist.train import checkpoint, faults
 from cpudist.train.engine import Engine, StepResult, build_engine
-from cpudist.train.output import prepare_output, print_outcome, resume_command, save_final_adapter
+from cpudist.train.output import (
+    note_restart,
+    prepare_output,
+    print_outcome,
+    resume_command,
+    save_final_adapter,
+)
 from cpudist.train.plan import check_fits, keep_global_batch, resolve_batch
 from cpudist.train.signals import StopFlag
 
@@ -46,14 +53,20 @@ log = logging.getLogger("cpudist")
 
 def train(config: Config, debug: bool = False) -> RunSummary | None:
     """Run a fine-tune as this process's rank; returns the summary on rank 0 (None on other
-    ranks, and when a signal stopped the run)."""
+    ranks). A run a signal stopped after its checkpoint raises Preempted, once every rank is
+    done."""
     with start_process(config.dist, debug, resume_hint="Continue from the newest checkpoint "
                        "with train.resume=auto", stacks_dir=Path(config.output.dir)) as process:
         resolved = resolve(config, process.placement)
         with StopFlag(config.train.save_on_signal) as stop:
             run = set_up(resolved, process, stop)
             fit(run)
-            return finish(run)
+            summary = finish(run)
+            stopped = run.stopped_by, run.state.step
+    if stopped[0] is not None:
+        raise Preempted(signal.Signals(stopped[0]).name, stopped[1],
+                        str(Path(config.output.dir) / "checkpoints"))
+    return summary
 
 
 # --------------------------------------------------------------------------- resolve
@@ -72,6 +85,11 @@ class Resolved:
 def resolve(given: Config, placement: Placement) -> Resolved:
     """The run's config on this world size, and its checkpoint; refuses, before anything is
     loaded or written, a run whose global batch does not divide or that does not fit memory."""
+    if placement.restarts and given.train.resume is None:
+        # torchrun started the workers again: continue, as `cpudist launch --restarts` does.
+        given = given.model_copy(update={"train": given.train.model_copy(update={"resume": "auto"})})
+        log.info("restart %d by %s: resuming from the newest checkpoint (train.resume=auto)",
+                 placement.restarts, placement.launcher)
     loaded = checkpoint.load_resume(given.train.resume, Path(given.output.dir), placement)
     config = given
     if loaded is not None and loaded.state.world_size != placement.world_size:
@@ -123,6 +141,7 @@ class Run:
     out: Path
     resumed: bool
     metrics: MetricsLog | None  # rank 0 only
+    trackers: Trackers | None  # rank 0 only, when tracking.* asks for any
     stop: StopFlag
     eval_before: dict[str, float]
     prompts: list[Prompt]
@@ -164,21 +183,29 @@ def set_up(resolved: Resolved, process: Process, stop: StopFlag) -> Run:
              else checkpoint.TrainState(world_size=placement.world_size,
                                         global_batch=engine.global_batch))
     resolved.checkpoint = None  # applied: its tensors need not stay in memory
+    engine.objective.prepare(engine)  # e.g. DPO's reference pass, before any step or validation
     faults.install(engine.loss, config.train.grad_accum, state.step)
     out = Path(config.output.dir)
     metrics = None
     if placement.is_main:
+        if placement.restarts:
+            note_restart(out, placement, state.step)
         # Resume asked for but no checkpoint yet: trimmed to step 0, keeping restart records.
         kept_to = state.step if resumed else (0 if config.train.resume is not None else None)
         metrics = MetricsLog(out / "metrics.jsonl", kept_to,
                              out / "tensorboard" if config.output.tensorboard else None)
+    trackers = rank0_only(placement, lambda: open_trackers(config, out,
+                                                           config.train.resume is not None))
     prompts = (list(engine.objective.held_out_prompts(engine.data.val, config.train.sample_prompts))
                if placement.is_main else [])
     before = {} if resumed else engine.evaluate()
     if before:
         log.info("validation before training: %s", describe(before))
+        if trackers is not None:
+            trackers.evaluation(EvalRecord(0, before))
     answers = answer_prompts(engine.session, [p.ids for p in prompts], config.train.max_new_tokens)
-    return Run(config, engine, state, out, resumed, metrics, stop, before, prompts, answers)
+    return Run(config, engine, state, out, resumed, metrics, trackers, stop, before, prompts,
+               answers)
 
 
 def describe(figures: dict[str, float]) -> str:
@@ -256,6 +283,8 @@ def log_step(run: Run, record: StepRecord) -> None:
     state, tc = run.state, run.config.train
     if run.metrics is not None and (state.step % tc.log_every == 0 or record.evaluation):
         run.metrics.write(record)
+        if run.trackers is not None:
+            run.trackers.step(record)
     run.progress.update(state.step, record.loss, record.tokens_per_s, record.lr)
     if state.bad_steps_in_a_row >= tc.max_bad_steps:
         raise UserError(
@@ -287,6 +316,8 @@ def finish(run: Run) -> RunSummary | None:
                  "with:\n  %s",
                  run.stopped_by, signal.Signals(run.stopped_by).name, state.step,
                  run.out / "checkpoints", resume_command(run.out))
+        if run.trackers is not None:
+            run.trackers.stop()
         return None
     wall = run.clock.elapsed()
     if run.last_saved != state.step:
@@ -303,6 +334,8 @@ def finish(run: Run) -> RunSummary | None:
     assert run.metrics is not None
     if after:
         run.metrics.write(EvalRecord(state.step, after))
+        if run.trackers is not None:
+            run.trackers.evaluation(EvalRecord(state.step, after))
     run.metrics.close()
     summary = summarize(run, wall, after, answers_after)
     summary.write(run.out / "summary.json")
@@ -311,6 +344,9 @@ def finish(run: Run) -> RunSummary | None:
         from cpudist.report.plots import write_report
 
         write_report(run.out)
+    if run.trackers is not None:
+        run.trackers.finish([run.out / name for name in ("adapter", "summary.json", "report.html")],
+                            summary)
     return summary
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,29 @@ def test_bench_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert result.returncode == 2 and "error: --layers needs --preset" in result.stderr
     result = cli_in_process(capsys, ["bench", "train.batch_sise=2"])
     assert result.returncode == 2 and "train.batch_size" in result.stderr
+    result = cli_in_process(capsys, ["bench", "--vs", "trl"])
+    assert result.returncode == 2 and "--vs trl trains train.objective=dpo; this bench's is sft" \
+        in result.stderr
+
+
+@pytest.mark.slow
+def test_bench_dpo_vs_trl_times_the_same_pairs(tiny_qwen: Path, tmp_path: Path) -> None:
+    """`--objective dpo --vs trl`: both sides time one epoch of the same synthetic pairs (prompt 16
+    + answers of 16: 2 pairs x 2 rows x 32 tokens a step, 2 x 2 x 16 answer tokens); cpudist's
+    reference precomputed (auto), TRL's a forward per step (its default), each said in the table."""
+    figures, printed = _bench(tiny_qwen, tmp_path, "--objective", "dpo", "--vs", "trl",
+                              "--hf-allocator", "auto")  # one TRL run: the same malloc as cpudist
+    ours, trl = figures["cpudist"], figures["trl"]
+    assert set(figures) >= {"cpudist", "trl", "ratios"} and "cpudist / trl" in printed
+    assert trl["framework"] == "trl-dpo+peft" and trl["steps"] == 2
+    assert ours["flop_model"] == trl["flop_model"]
+    for side in (ours, trl):
+        assert side["tokens_per_s"] * side["s_per_step"] == pytest.approx(2 * 2 * 32)
+        assert side["label_tokens_per_s"] * side["s_per_step"] == pytest.approx(2 * 2 * 16)
+    assert "synthetic pairs: 4 x (prompt 16 + chosen 16 | rejected 16)" in ours["data"] == trl["data"]
+    assert ours["losses"][0] == pytest.approx(math.log(2), abs=1e-6)  # B = 0: policy = reference
+    assert ours["prepare_s"] > 0 and "cpudist: DPO reference: precomputed, one pass over 4 pairs" in printed
+    assert "trl: TRL's default: the reference is a forward at every step" in printed
 
 
 def test_timed_steps_cover_the_fixed_sample_set_once() -> None:

@@ -37,7 +37,7 @@ def test_method_trains_resumes_and_merges(method: str, tiny_llama: Path, chat_fi
     with monkeypatch.context() as patch:
         signal_after(patch, 2)
         stopped = cli_in_process(capsys, args)
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
     assert stopped_step(stopped.stdout) == 2
     resumed = cli_in_process(capsys, [*args, "train.resume=auto"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -1,7 +1,8 @@
 """Bad input through the CLI: one line `error: ...` naming the file/line/key and what to do,
-exit code 2, no traceback (unless --debug). The commands run in this process (cli_in_process),
-which spares each case a new interpreter and its imports; test_a_real_process_keeps_the_contract
-keeps the process boundary itself: the exit code, stderr, and --debug's traceback."""
+exit code 2 (3 for a run the memory plan refuses), no traceback (unless --debug). The commands
+run in this process (cli_in_process), which spares each case a new interpreter and its imports;
+test_a_real_process_keeps_the_contract keeps the process boundary itself: the exit code, stderr,
+and --debug's traceback."""
 
 from __future__ import annotations
 
@@ -19,13 +20,15 @@ Fails = Callable[[list], str]
 Succeeds = Callable[[list], None]
 
 
-def one_line_error(result: subprocess.CompletedProcess) -> str:
-    """The error contract of a finished `cpudist` (a CompletedProcess); returns its one line."""
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+def one_line_error(result: subprocess.CompletedProcess, code: int = 2) -> str:
+    """The error contract of a finished `cpudist` (a CompletedProcess): exit status `code`, one
+    line on stderr ending in its exit class; returns that line."""
+    assert result.returncode == code, result.stdout[-2000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stderr + result.stdout
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr[-3000:]
     assert lines[0].startswith("error: ")
+    assert lines[0].endswith(")]") and f" [exit {code}: " in lines[0], lines[0]
     return lines[0]
 
 
@@ -272,11 +275,13 @@ def test_model_with_only_pickled_weights_is_refused(tiny_llama: Path, chat_file:
 
 
 def test_a_run_too_big_for_the_node_is_refused_before_loading(
-        tiny_llama: Path, chat_file: Path, tmp_path: Path, fails: Fails, succeeds: Succeeds,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_llama: Path, chat_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        succeeds: Succeeds, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit status 3, its own class: a scheduler must not retry it on the same nodes."""
     args = train_args(tiny_llama, chat_file, tmp_path / "out")
     monkeypatch.setenv("SLURM_MEM_PER_NODE", "300")
-    error = fails(args)
+    error = one_line_error(cli_in_process(capsys, args), code=3)
+    assert "[exit 3: refused by the memory plan" in error
     assert error.startswith("error: this run needs about ") and "the node has 0.3 GB" in error
     assert "(Slurm memory per node)" in error and "train.check_memory=false" in error
     assert not (tmp_path / "out" / "checkpoints").exists()

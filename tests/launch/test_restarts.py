@@ -56,12 +56,18 @@ def run_launch(cmd: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 def test_which_failures_are_restarted() -> None:
+    """The exit classes of cpudist.errors.ExitCode: retry a lost peer, a preemption with a
+    checkpoint and a killed rank; not a finished job, bad input, the memory plan's refusal, an
+    internal error or Ctrl-C, which a restart would only repeat."""
     assert restart_reason(137, stopped=False) == ("exit status 137: a rank was killed by "
                                                   "SIGKILL")
-    assert restart_reason(1, stopped=False) == "exit status 1: a rank failed"
-    for code in (0, 2, 130):  # done, bad input (a restart would repeat it), Ctrl-C in the ranks
-        assert restart_reason(code, stopped=False) is None
+    assert restart_reason(76, stopped=False).startswith("exit status 76: lost a peer rank")
+    assert restart_reason(75, stopped=False).startswith("exit status 75: preempted")
+    assert restart_reason(5, stopped=False) == "exit status 5: a rank or mpirun failed"
+    for code in (0, 1, 2, 3, 130):
+        assert restart_reason(code, stopped=False) is None, code
     assert restart_reason(137, stopped=True) is None  # the user stopped the job
+    assert restart_reason(75, stopped=True) is None
 
 
 def test_a_killed_rank_restarts_the_job_resuming_with_a_record(tmp_path: Path) -> None:
@@ -71,7 +77,7 @@ def test_a_killed_rank_restarts_the_job_resuming_with_a_record(tmp_path: Path) -
     (step / "state.json").write_text("{}")
     write_manifest(step)
     (out / "metrics.jsonl").write_text('{"step": 4}\n{"step": 5, "lo')  # cut short by the kill
-    done = run_launch(launch_cmd(fake_mpirun(tmp_path, [137, 1, 0]), out, "--restarts", "3"))
+    done = run_launch(launch_cmd(fake_mpirun(tmp_path, [137, 76, 0]), out, "--restarts", "3"))
     assert done.returncode == 0, done.stderr
     made = calls(tmp_path)
     assert len(made) == 3
@@ -81,16 +87,18 @@ def test_a_killed_rank_restarts_the_job_resuming_with_a_record(tmp_path: Path) -
     records = restart_records(out)
     assert [(r["attempt"], r["reason"], r["resumed_from_step"]) for r in records] == [
         (1, "exit status 137: a rank was killed by SIGKILL", 4),
-        (2, "exit status 1: a rank failed", 4)]
+        (2, "exit status 76: lost a peer rank (retry: the job resumes from the newest "
+            "checkpoint)", 4)]
     assert all(r["time"].endswith("+00:00") for r in records)
     assert (out / "metrics.jsonl").read_text().startswith('{"step": 4}\n{"event": "restart"')
 
 
 def test_bad_input_and_the_restart_limit_end_the_run(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done = run_launch(launch_cmd(fake_mpirun(tmp_path, [2]), out, "--restarts", "3"))
-    assert done.returncode == 2 and len(calls(tmp_path)) == 1
-    (tmp_path / "calls.txt").unlink()
+    for code in (2, 3, 1):  # bad input, the memory plan, an internal error
+        done = run_launch(launch_cmd(fake_mpirun(tmp_path, [code]), out, "--restarts", "3"))
+        assert done.returncode == code and len(calls(tmp_path)) == 1
+        (tmp_path / "calls.txt").unlink()
     done = run_launch(launch_cmd(fake_mpirun(tmp_path, [137, 137, 137]), out, "--restarts", "1"))
     assert done.returncode == 137 and len(calls(tmp_path)) == 2
     assert "no restart left of --restarts 1" in done.stderr

@@ -83,6 +83,27 @@ def test_restarts_are_marked_on_the_loss_plot_and_listed(tmp_path: Path) -> None
     assert (out / "lr.png").read_bytes() == (tmp_path / "plain" / "lr.png").read_bytes()
 
 
+def test_preference_runs_plot_rewards_and_reward_accuracy(tmp_path: Path) -> None:
+    records = _steps(4, val_every=2)
+    for record in records:
+        if "loss" in record:
+            margin = 0.1 * record["step"]
+            record.update(reward_chosen=margin / 2, reward_rejected=-margin / 2, reward_margin=margin,
+                          reward_accuracy=0.5 + 0.1 * record["step"])
+        else:
+            record.update(val_reward_margin=0.2 * record["step"], val_reward_accuracy=0.9)
+    summary = {**SUMMARY, "eval_before": {"val_loss": 0.6931, "val_reward_accuracy": 0.5,
+                                          "val_reward_margin": 0.0}}
+    out = _write_run(tmp_path / "run", records, summary)
+    images = _embedded_pngs(write_report(out).read_text())
+    assert len(images) == len(PLOTS) + 2
+    for name in ("rewards.png", "reward_accuracy.png"):
+        assert (out / name).read_bytes() in images, name
+    sft = _write_run(tmp_path / "sft", _steps(4, val_every=2), SUMMARY)
+    write_report(sft)
+    assert not (sft / "rewards.png").exists()
+
+
 @pytest.mark.parametrize("metrics, summary", [
     (_steps(1), None),                              # a single step, no val, run did not finish
     (_steps(3), {"steps": 3, "train_loss": 1.0}),   # no validation anywhere

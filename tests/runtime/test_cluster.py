@@ -157,3 +157,20 @@ def test_a_master_port_that_is_not_a_port_is_one_line(port: str,
     assert rendezvous(torchrun, None, 29501, None) == ("127.0.0.1", 29501)
     monkeypatch.setenv("MASTER_PORT", " 29500 ")
     assert rendezvous(torchrun, None, None, None) == ("127.0.0.1", 29500)
+
+
+def test_torchrun_restarts_kubeflow_and_thread_overrides() -> None:
+    from cpudist.runtime.cluster import thread_override
+
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "TORCHELASTIC_RESTART_COUNT": "2"}
+    placement = detect_placement(env)
+    assert (placement.launcher, placement.rank, placement.restarts) == ("torchrun", 1, 2)
+    assert detect_placement({**env, "TORCHELASTIC_RESTART_COUNT": "0"}).restarts == 0
+    with pytest.raises(UserError, match="PET_NPROC_PER_NODE=4 asks for 4 processes per node"):
+        detect_placement({"PET_NPROC_PER_NODE": "4"})
+    assert detect_placement({"PET_NPROC_PER_NODE": "1"}).launcher == "single"
+    assert thread_override(placement, 8, None, {"OMP_NUM_THREADS": "1"}) == (
+        "OMP_NUM_THREADS=1 from the environment replaced by 8: this rank's share of the node's "
+        "physical cores (2 rank(s) on this node; dist.threads_per_rank sets another number)")
+    assert thread_override(placement, 8, None, {"OMP_NUM_THREADS": "8"}) is None

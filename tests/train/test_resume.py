@@ -55,9 +55,12 @@ def test_single_process_resume_is_exact(tiny_llama: Path, chat_file: Path, tmp_p
     with monkeypatch.context() as patch:
         signal_after(patch, 3)
         stopped = cli_in_process(capsys, args)
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
     at = stopped_step(stopped.stdout)
     assert at == 3
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        f"stopped by SIGTERM after step 3; checkpoint saved in {out / 'checkpoints'}; resume with "
+        "train.resume=auto [exit 75: preempted with a checkpoint (retry: the job resumes from it)]")
     assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step-{at}"]
     # Nothing a loader would have to unpickle: tensors in safetensors, the rest JSON/YAML/text.
     files = [p for p in (out / "checkpoints").rglob("*") if p.is_file()]
@@ -85,7 +88,7 @@ def test_two_rank_resume_is_exact(tiny_llama: Path, chat_file: Path, tmp_path: P
     cmd = [*mpirun_cmd(2), *cpudist_cmd(), "train",
            *tiny_overrides(tiny_llama, chat_file, out, **settings)]
     stopped = start_and_signal(cmd, out, signal.SIGUSR1)
-    assert stopped.returncode == 0, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     at = stopped_step(stopped.stdout)
 
     resumed = run([*cmd, "train.resume=auto"])
@@ -140,7 +143,7 @@ def continue_on(ranks: int, started_on: int, model: Path, data: Path, tmp_path: 
     overrides = tiny_overrides(model, data, out, **settings)
     stopped = start_and_signal([*_launch(started_on), *overrides], out,
                                signal.SIGUSR1 if started_on > 1 else signal.SIGTERM, after_steps=3)
-    assert stopped.returncode == 0, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert 0 < stopped_step(stopped.stdout) < STEPS
     resumed = run([*_launch(ranks), *overrides, "train.resume=auto"])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -184,7 +187,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     with monkeypatch.context() as patch:
         signal_after(patch, 7)
         stopped = cli_in_process(capsys, args)
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
     at = stopped_step(stopped.stdout)
     saved = sorted((out / "checkpoints").iterdir(), key=lambda p: int(p.name.split("-")[1]))
     assert [p.name for p in saved] == [f"step-{at - at % 3 if at % 3 else at - 3}", f"step-{at}"]
