@@ -59,7 +59,8 @@ def test_root_without_the_right_to_make_namespaces_is_one_line() -> None:
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error: cannot create network namespaces here (")
     assert line.endswith("run as root on the host, or in a container with CAP_SYS_ADMIN "
-                         "(docker run --privileged)")
+                         "(docker run --privileged) [exit 2: bad input or config (do not retry; "
+                         "fix what the message names)]")
 
 
 def _need_netns() -> None:
