@@ -41,15 +41,15 @@ def make_config(config: str | Path | Config | None = None, overrides: Overrides 
                         "Config give them as a mapping {'section.key': value}")
     if not isinstance(overrides, Mapping) or not overrides:
         return base
-    data = base.to_dict()
+    changes = {}
     for key, value in overrides.items():
         section, _, name = str(key).partition(".")
-        if not name or "." in name or not isinstance(data.get(section), dict):
+        if not name or "." in name or section not in Config.model_fields:
             raise UserError(f"override {key!r}: the key must be section.key, such as "
                             "'train.max_steps'")
-        data[section][name] = value
+        changes[section, name] = value
     try:
-        return Config.model_validate(data)
+        return base.with_settings(changes)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"] if not isinstance(p, int))

@@ -160,7 +160,9 @@ class TrainConfig(_Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     max_grad_norm: float | None = Field(1.0, gt=0)
     eval_every: int = Field(0, ge=0)  # 0 = only before and after training
-    eval_batches: int | None = Field(None, gt=0)  # cap on validation batches per eval
+    # A cap on validation: eval_batches x batch_size samples (the shortest), split among the
+    # ranks, so any world size evaluates the same ones.
+    eval_batches: int | None = Field(None, gt=0)
     log_every: int = Field(1, gt=0)
     save_every: int = Field(0, ge=0)  # 0 = only at the end
     keep_last: int = Field(2, ge=2)  # resume falls back to the previous one when the newest is damaged
@@ -285,6 +287,15 @@ class Config(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+    def with_settings(self, changes: dict[tuple[str, str], Any]) -> Config:
+        """This config with {(section, key): value} changed, validated again. The settings the
+        user gave stay marked as given and the rest as defaults (what a section's
+        model_fields_set says, e.g. for the unused-method-section warning)."""
+        data = self.model_dump(mode="json", exclude_unset=True)
+        for (section, key), value in changes.items():
+            data.setdefault(section, {})[key] = value
+        return Config.model_validate(data)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

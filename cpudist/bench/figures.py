@@ -7,6 +7,9 @@ forward 2N and input-gradient 2N for frozen decoder weights (no weight gradient)
 and weight-gradient 2N each for LoRA weights, causal attention (QK^T and AV, forward 2 L^2 d,
 backward twice that), and the LM head only where a label exists (forward + input gradient).
 DoRA adds, per micro-batch, its weight norm's B @ A product: 2 r in out forward, twice that back.
+Prompt tuning and P-tuning put V virtual tokens in front of each sample (L + V positions in every
+term but the head); prefix tuning gives every query P more keys and values: 12 n_layers d_attn P L
+more attention. Their own trainable work (embeddings, a small encoder) is negligible.
 Padding and recomputation (activation checkpointing) are work, not model FLOPs, so they lower MFU.
 """
 
@@ -31,11 +34,15 @@ class FlopModel:
     attn_dim: int  # query heads x head dim
     head_params: int  # vocab x hidden of the LM head
     dora_products: int = 0  # sum of r x in x out over DoRA layers (their B @ A per micro-batch)
+    virtual_tokens: int = 0  # prompt tuning / P-tuning: positions added in front of each sample
+    prefix_keys: int = 0  # prefix tuning: keys and values added in every layer
 
     def step_flops(self, sample_lengths: list[int], label_tokens: int, passes: int = 1) -> float:
         """FLOPs of one step over these samples, in `passes` micro-batches."""
-        linear = (4 * self.n_frozen + 6 * self.n_lora) * sum(sample_lengths)
-        attention = 6 * self.n_layers * self.attn_dim * sum(n * n for n in sample_lengths)
+        lengths = [n + self.virtual_tokens for n in sample_lengths if n]
+        linear = (4 * self.n_frozen + 6 * self.n_lora) * sum(lengths)
+        attention = 6 * self.n_layers * self.attn_dim * sum(
+            n * n + 2 * self.prefix_keys * n for n in lengths)
         dora = 6 * self.dora_products * passes
         return float(linear + attention + 4 * self.head_params * label_tokens + dora)
 
@@ -71,9 +78,21 @@ def flop_model(peft_model: nn.Module) -> FlopModel:
             n_frozen += module.in_features * module.out_features
     config = config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    virtual, prefix = _prompt_positions(peft_model)
     return FlopModel(n_frozen=n_frozen, n_lora=n_lora, n_layers=config.num_hidden_layers,
                      attn_dim=config.num_attention_heads * head_dim,
-                     head_params=head.weight.numel(), dora_products=dora)
+                     head_params=head.weight.numel(), dora_products=dora,
+                     virtual_tokens=virtual, prefix_keys=prefix)
+
+
+def _prompt_positions(peft_model: nn.Module) -> tuple[int, int]:
+    """(virtual tokens in front of each sample, prefix keys per layer) of a prompt-learning
+    adapter; (0, 0) for any other model."""
+    config = getattr(peft_model, "active_peft_config", None)
+    if config is None or not getattr(config, "is_prompt_learning", False):
+        return 0, 0
+    tokens = int(config.num_virtual_tokens)
+    return (0, tokens) if config.peft_type == "PREFIX_TUNING" else (tokens, 0)
 
 
 def batch_sample_lengths(batch: Batch) -> list[int]:

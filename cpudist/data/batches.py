@@ -182,14 +182,14 @@ class GlobalBatches:
 def eval_batches(data: TokenizedSplit, batch_size: int, rank: int, world: int,
                  limit: int | None) -> Iterator[list[int]]:
     """This rank's share of the validation set (strided, so every sample is seen once overall),
-    shortest samples first."""
+    shortest samples first. A limit of batches caps the samples at limit x batch_size over all
+    ranks: the same samples, so the same figures, on any world size."""
     lengths = data.lengths()
     order = sorted(range(len(data)), key=lengths.__getitem__)
-    mine = order[rank::world]
-    count = math.ceil(len(mine) / batch_size)
     if limit is not None:
-        count = min(count, limit)
-    for b in range(count):
+        order = order[: limit * batch_size]
+    mine = order[rank::world]
+    for b in range(math.ceil(len(mine) / batch_size)):
         yield mine[b * batch_size : (b + 1) * batch_size]
 
 

@@ -279,11 +279,11 @@ def advise(config: Config, parts: Parts, ranks_per_node: int, node_memory: tuple
 def _with(config: Config, overrides: list[str]) -> Config:
     from cpudist.config import parse_override
 
-    data = config.to_dict()
+    changes = {}
     for item in overrides:
         (section, key), value = parse_override(item)
-        data[section][key] = value
-    return Config.model_validate(data)
+        changes[section, key] = value
+    return config.with_settings(changes)
 
 
 def make_plan(config: Config, ranks_per_node: int) -> MemoryPlan:

@@ -247,3 +247,27 @@ def test_rounds_state_mfu_against_each_runs_peak_and_the_best_peak() -> None:
     assert summary["mfu_best_peak_median"] == pytest.approx(0.11 / 0.19)
     assert summary["mfu_best_peak_max"] == pytest.approx(0.16 / 0.19)
     assert "(invalid)" in lines[4] and "median 65.6%" in lines[5]
+
+
+@pytest.mark.parametrize(("method", "virtual", "prefix"), [
+    ("prompt_tuning", 3, 0), ("p_tuning", 3, 0), ("prefix_tuning", 0, 3), ("ia3", 0, 0)])
+def test_flop_formula_counts_virtual_tokens_and_prefix_keys(
+        method: str, virtual: int, prefix: int, tiny_llama: Path) -> None:
+    from cpudist.bench.figures import flop_model
+    from cpudist.config import Config, ModelConfig, PeftSection, PromptSection
+    from cpudist.model.load import build_model
+    from cpudist.runtime.precision import choose_precision
+
+    model, _, _ = build_model(Config(model=ModelConfig(path=str(tiny_llama), dtype="float32",
+                                                       share_frozen_weights=False),
+                                     peft=PeftSection(method=method),
+                                     prompt=PromptSection(virtual_tokens=3)),
+                              choose_precision("float32"))
+    flops = flop_model(model)
+    assert (flops.virtual_tokens, flops.prefix_keys, flops.n_lora) == (virtual, prefix, 0)
+    d, layers = flops.attn_dim, flops.n_layers
+    expected = (4 * flops.n_frozen * (10 + virtual + 4 + virtual)
+                + 6 * layers * d * ((10 + virtual) ** 2 + (4 + virtual) ** 2
+                                    + 2 * prefix * (10 + 4))
+                + 4 * flops.head_params * 9)
+    assert flops.step_flops([10, 4, 0], label_tokens=9) == expected

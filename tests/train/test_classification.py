@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,11 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from cpudist.data.read import resolve_data_path
 from cpudist.records import read_summary
 from tests.helpers import (
+    SCRIPTS,
     cli_in_process,
     metric_records,
+    mpirun_cmd,
+    run,
     signal_after,
     step_losses,
     stopped_step,
@@ -231,3 +235,34 @@ def test_classifier_on_a_quantized_base_is_refused(tiny_llama: Path, tmp_path: P
         tiny_llama, train, val, tmp_path / "run", model__quantize="int8")])
     assert done.returncode == 2
     assert "a classifier's backbone trains on model.quantize=none" in done.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_two_ranks_train_the_classifier_to_one_ranks_losses(
+        tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same global batch of 8 (1 rank x 2 accumulation, or 2 ranks under mpirun): the same
+    fp32 losses within 1e-5 and the same held-out figures (on the same capped samples)."""
+    train, val = topic_files(tmp_path)
+    one, two = tmp_path / "one", tmp_path / "two"
+    batch = {"train__batch_size": 4, "train__global_batch": 8, "train__eval_batches": 2}
+    done = cli_in_process(capsys, ["train", *classifier_overrides(tiny_llama, train, val, one,
+                                                                  **batch)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    logs = tmp_path / "logs"
+    harness = [sys.executable, SCRIPTS / "rank_harness.py", logs]
+    result = run([*mpirun_cmd(2), *harness, "train",
+                  *classifier_overrides(tiny_llama, train, val, two, **batch)], timeout=300)
+    assert result.returncode == 0, (logs / "rank0.err").read_text()[-3000:]
+    assert "global batch: 8 = 4 per rank x 1 accumulation x 2 ranks" in (
+        logs / "rank0.out").read_text()
+    expected, got = step_losses(one), step_losses(two)
+    assert [s for s, _ in got] == list(range(1, 7))
+    assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-5)
+    summaries = [read_summary(out / "summary.json") for out in (one, two)]
+    assert summaries[1] is not None and summaries[1].world_size == 2
+    assert summaries[0] is not None
+    for when in ("eval_before", "eval_after"):
+        first, second = getattr(summaries[0], when), getattr(summaries[1], when)
+        assert second["val_accuracy"] == first["val_accuracy"]
+        assert second["val_loss"] == pytest.approx(first["val_loss"], rel=1e-5)

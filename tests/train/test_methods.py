@@ -115,3 +115,20 @@ def test_settings_that_do_not_go_together_are_refused(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="Did you mean 'peft.method'"):
         load_config(None, ["lora.method=ia3"])
     assert Config().peft.method == "lora"
+
+
+def test_quantized_base_takes_prompt_tuning_and_refuses_ia3(
+        tiny_llama: Path, chat_file: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The prompt-learning methods leave the (quantized) linears alone; IA3 would scale them."""
+    quantized = {"model__quantize": "int8", **SETTINGS}
+    done = cli_in_process(capsys, ["train", *tiny_overrides(
+        tiny_llama, chat_file, tmp_path / "prompt", peft__method="prompt_tuning", **quantized)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "prompt" / "summary.json").read_text())
+    assert summary["val_loss_after"] < summary["val_loss_before"]
+    refused = cli_in_process(capsys, ["train", *tiny_overrides(
+        tiny_llama, chat_file, tmp_path / "ia3", peft__method="ia3", **quantized)])
+    assert refused.returncode == 2
+    (line,) = refused.stderr.strip().splitlines()
+    assert "peft.method=ia3" in line and "model.quantize" in line

@@ -155,6 +155,9 @@ def test_global_batch_sets_the_accumulation_and_is_never_changed(tiny_qwen: Path
     resolved, line = resolve_batch(_config(tiny_qwen, "train.global_batch=16"), 2, 2)
     assert (resolved.train.batch_size, resolved.train.grad_accum) == (4, 2)
     assert "global batch 16 = 2 rank(s) x micro-batch 4 x 2" in line
+    # The settings given stay the only ones marked given (no "ia3.* set but unused" warning).
+    assert resolved.ia3.model_fields_set == set() == resolved.prompt.model_fields_set
+    assert resolved.train.model_fields_set >= {"global_batch", "batch_size", "grad_accum"}
     unchanged, line = resolve_batch(_config(tiny_qwen, "train.grad_accum=3"), 2, 2)
     assert (unchanged.train.batch_size, unchanged.train.grad_accum, line) == (4, 3, "")
     for overrides, world, message in (
