@@ -183,9 +183,10 @@ def test_an_elastic_job_that_loses_a_node_continues_on_the_node_left(
     assert cpudist_in_process(["train", *tiny_overrides(
         tiny_llama, chat_file, reference, **{**settings, "train__batch_size": 4})]) == 0
     out = tmp_path / "elastic"
-    # Dead-node detection after 2 missed 1 s heartbeats, and 3 s for late joiners once one node
-    # is there (defaults: 15 s and 30 s).
-    rdzv = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+    # Dead-node detection after 2 missed 1 s heartbeats, and 6 s for a late joiner once one node
+    # is there (defaults: 15 s and 30 s): the agents of a loaded machine may start seconds apart,
+    # and a first round without node 1 would be a different run.
+    rdzv = "last_call_timeout=6,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
     logs = [tmp_path / f"node{index}.log" for index in range(2)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CPUDIST_FAULT_SLOW_STEP_S": "0.3"}
     agents = []
@@ -216,6 +217,7 @@ def test_an_elastic_job_that_loses_a_node_continues_on_the_node_left(
             lose_node(node)
     log = logs[0].read_text()
     assert agents[0].returncode == 0, log[-5000:]
+    assert "ranks: 2 (torchrun), this node: 1" in log + logs[1].read_text()  # both nodes first
     assert "restart 1 by torchrun: resuming from the newest checkpoint" in log, log[-5000:]
     assert "resuming a 2-rank checkpoint: global batch 4 kept on 1 rank(s)" in log
     assert "global batch 4 = 1 rank(s) x micro-batch 2 x 2 accumulation" in log
