@@ -1,10 +1,15 @@
 """cpudist as a library: `import cpudist; cpudist.train("my.yaml", {"train.max_steps": 50})`.
 
 The same runs as the command line, on the same schema (cpudist/config.py), returning the typed
-records instead of printing them. Bad input raises cpudist.UserError (one line naming the key and
-what to do), a run stopped by a signal after its checkpoint raises cpudist.Preempted; nothing
-calls sys.exit. A script using them runs as one rank: start it under mpirun, srun or torchrun for
-several (each rank runs the script; train() returns the summary on rank 0, None elsewhere).
+records instead of printing them: train and plan take a config; evaluate, generate, predict,
+merge and export take a trained model as the commands do (adapter: OUTPUT/adapter of a run; base:
+the model, by default the one the adapter records; quantize, quantize_group and
+ignore_fingerprint as the flags) and call the very functions of cpudist/commands/ behind those
+commands. Keyword arguments left None take the adapter's run's setting, else the default.
+Bad input raises cpudist.UserError (one line naming the key and what to do), a run stopped by a
+signal after its checkpoint raises cpudist.Preempted; nothing calls sys.exit. A script using
+them runs as one rank: start it under mpirun, srun or torchrun for several (each rank runs the
+script; train() returns the summary on rank 0, None elsewhere).
 """
 
 from __future__ import annotations
@@ -16,8 +21,16 @@ from typing import TYPE_CHECKING, Any
 from cpudist.errors import UserError
 
 if TYPE_CHECKING:
+    from cpudist.commands.common import ModelChoice
     from cpudist.config import Config
-    from cpudist.records import RunSummary
+    from cpudist.records import (
+        ClassificationReport,
+        DataEvalResult,
+        ExportedGGUF,
+        PreferenceEvalResult,
+        RunSummary,
+        TaskEvalResult,
+    )
     from cpudist.train.plan import MemoryPlan
 
 Overrides = Mapping[str, Any] | Sequence[str] | None
@@ -76,3 +89,86 @@ def plan(config: str | Path | Config | None = None, overrides: Overrides = None,
     ranks = ranks_per_node or placement.local_size
     chosen, _ = resolve_batch(chosen, world_size or max(placement.world_size, ranks), ranks)
     return make_plan(chosen, ranks)
+
+
+def evaluate(adapter: str | Path | None = None, *, data: str | Path | None = None,
+             task: str | Path | None = None, base: str | Path | None = None,
+             out: str | Path | None = None, format: str | None = None,
+             max_length: int | None = None, batch_size: int | None = None,
+             max_batches: int | None = None, system: str | None = None, dtype: str | None = None,
+             max_new_tokens: int = 32, quantize: str | None = None,
+             quantize_group: int | None = None, ignore_fingerprint: bool = False
+             ) -> DataEvalResult | PreferenceEvalResult | ClassificationReport | TaskEvalResult:
+    """`cpudist eval`: on data= a file, the trainer's validation figures (DataEvalResult; a
+    preference file: PreferenceEvalResult; a classifier: ClassificationReport); on task= a task,
+    the accuracy before and after the adapter (TaskEvalResult, also added to out, by default
+    eval.json in the adapter's run directory)."""
+    from cpudist.commands.eval import evaluate_data, evaluate_task_file
+
+    choice = _choice(base, adapter, quantize, quantize_group, ignore_fingerprint)
+    if (data is None) == (task is None):
+        raise UserError("evaluate: give data=FILE (loss, perplexity, token accuracy) or "
+                        "task=FILE (a multiple-choice or QA task), one of them")
+    if task is not None:
+        return evaluate_task_file(choice, task, out=out, max_new_tokens=max_new_tokens,
+                                  system=system, dtype=dtype)[0]
+    assert data is not None
+    return evaluate_data(choice, data, data_format=format, max_length=max_length,
+                         batch_size=batch_size, max_batches=max_batches, system=system,
+                         dtype=dtype)
+
+
+def generate(prompt: str, adapter: str | Path | None = None, *, base: str | Path | None = None,
+             system: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
+             dtype: str | None = None, stream: bool = False, quantize: str | None = None,
+             quantize_group: int | None = None, ignore_fingerprint: bool = False) -> str:
+    """`cpudist generate`: the answer to a user message (greedy at temperature 0), rendered as
+    training renders a user turn; stream=True also prints it token by token."""
+    from cpudist.commands.generate import generate_answer
+
+    return generate_answer(_choice(base, adapter, quantize, quantize_group, ignore_fingerprint),
+                           prompt, system=system, max_new_tokens=max_new_tokens,
+                           temperature=temperature, dtype=dtype, stream=stream)
+
+
+def predict(adapter: str | Path, data: str | Path, out: str | Path | None = None, *,
+            base: str | Path | None = None, batch_size: int | None = None,
+            max_length: int | None = None, dtype: str | None = None,
+            ignore_fingerprint: bool = False) -> list[dict[str, Any]]:
+    """`cpudist predict`: a classifier's rows of data with their predicted 'label' (or
+    'labels') and 'scores', also written to out (.jsonl) when given."""
+    from cpudist.commands.predict import predict_file
+
+    return predict_file(_choice(base, adapter, None, None, ignore_fingerprint), data, out,
+                        batch_size=batch_size, max_length=max_length, dtype=dtype)
+
+
+def merge(adapter: str | Path, out: str | Path, *, base: str | Path | None = None,
+          dtype: str = "float32", force: bool = False, run_dtype: str | None = None,
+          quantize: str | None = None, quantize_group: int | None = None,
+          ignore_fingerprint: bool = False) -> Path:
+    """`cpudist merge`: the adapter folded into its base, a plain Hugging Face directory at out
+    (weights in dtype); returns out."""
+    from cpudist.commands.merge import merge_adapter
+
+    return merge_adapter(_choice(base, adapter, quantize, quantize_group, ignore_fingerprint),
+                         out, dtype=dtype, force=force, run_dtype=run_dtype)
+
+
+def export(out: str | Path, adapter: str | Path | None = None, *,
+           base: str | Path | None = None, type: str = "f16", lora: bool = False,
+           force: bool = False, run_dtype: str | None = None, quantize: str | None = None,
+           quantize_group: int | None = None, ignore_fingerprint: bool = False) -> ExportedGGUF:
+    """`cpudist export`: a GGUF file for llama.cpp: the base alone (no adapter), base and
+    adapter merged, or with lora=True the adapter alone."""
+    from cpudist.commands.export import export_gguf
+
+    return export_gguf(_choice(base, adapter, quantize, quantize_group, ignore_fingerprint),
+                       out, file_type=type, lora=lora, force=force, run_dtype=run_dtype)
+
+
+def _choice(base: str | Path | None, adapter: str | Path | None, quantize: str | None,
+            quantize_group: int | None, ignore_fingerprint: bool) -> ModelChoice:
+    from cpudist.commands.common import ModelChoice
+
+    return ModelChoice(base, adapter, ignore_fingerprint, quantize, quantize_group)

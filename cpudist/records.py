@@ -7,6 +7,7 @@
   file: PreferenceEvalResult) and `--task` (OUTPUT/eval.json).
 - ClassificationReport: a classifier's labels, thresholds and validation figures
   (ADAPTER/classification.json, `cpudist eval --data` on classification rows).
+- ExportedGGUF: the file `cpudist export` wrote.
 - BenchResult: the figures of one `cpudist bench` run (or of its HF peer), computed for both by
   cpudist.bench.figures.throughput_figures.
 
@@ -190,6 +191,28 @@ def read_summary(path: Path) -> RunSummary | None:
         raise UserError(f"{path}: not a summary (a JSON object is expected); remove it and run "
                         "`cpudist report` again")
     return RunSummary.from_json(loaded)
+
+
+# --------------------------------------------------------------------------- cpudist export
+
+
+@dataclass
+class ExportedGGUF:
+    """`cpudist export`: the GGUF file written and the base model it was made from."""
+
+    path: str
+    file_type: str  # of the 2-D weights: f16, q8_0, ...
+    lora: bool  # the adapter alone (llama.cpp applies it on the base's GGUF), else a whole model
+    base: str  # the base model directory (a quantized run's: the model it was quantized from)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        if self.lora:
+            return (f"LoRA GGUF written to {self.path} (apply it on the GGUF of its base: "
+                    f"cpudist export --base {self.base} --out BASE.gguf)")
+        return f"GGUF model ({self.file_type}) written to {self.path}"
 
 
 # --------------------------------------------------------------------------- cpudist eval

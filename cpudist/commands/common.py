@@ -6,7 +6,7 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from cpudist.errors import UserError
 
@@ -68,6 +68,35 @@ def non_negative_int(text: str) -> int:
 
 
 @dataclass(frozen=True)
+class ModelChoice:
+    """Which model a command runs, as the user named it: --base, --adapter,
+    --ignore-fingerprint, --quantize, --quantize-group (None = not given). The same fields are
+    the Python API's keyword arguments."""
+
+    base: str | Path | None = None
+    adapter: str | Path | None = None
+    ignore_fingerprint: bool = False
+    quantize: str | None = None
+    quantize_group: int | None = None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> ModelChoice:
+        return cls(args.base, args.adapter, args.ignore_fingerprint,
+                   getattr(args, "quantize", None), getattr(args, "quantize_group", None))
+
+
+def check_choice(flag: str, value: object, choices: tuple[object, ...] | list[str]) -> None:
+    """A value the CLI's argparse would have refused, given through the Python API."""
+    if value is not None and value not in choices:
+        raise UserError(f"{flag}={value!r}: choose one of {', '.join(map(str, choices))}")
+
+
+def check_positive(flag: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise UserError(f"{flag}={value!r}: give a whole number of at least 1")
+
+
+@dataclass(frozen=True)
 class TrainedModel:
     """What a command that runs a trained model loads, resolved once before any slow load: the
     base (the given --base, else the one the adapter records, checked against the adapter), the
@@ -79,29 +108,34 @@ class TrainedModel:
     settings: dict[str, Any] = field(default_factory=dict)  # "section.key" -> value
 
 
-def trained_model(args: argparse.Namespace, dtype: str | None,
+def trained_model(choice: ModelChoice, dtype: str | None,
                   settings: dict[str, Any] | None = None) -> TrainedModel:
-    """The TrainedModel of --base/--adapter/--ignore-fingerprint/--quantize/--quantize-group, the
-    flag giving model.dtype (`dtype`: --dtype, or merge's and export's --run-dtype) and other
-    flags standing for settings ({"data.format": args.format, ...}; None = not given)."""
+    """The TrainedModel of a ModelChoice, the setting giving model.dtype (`dtype`: --dtype, or
+    merge's and export's --run-dtype) and other flags standing for settings
+    ({"data.format": args.format, ...}; None = not given)."""
     from cpudist.config import ModelConfig
     from cpudist.model.adapters import resolve_adapter
     from cpudist.model.provenance import check_base, resolve_base
 
-    adapter = resolve_adapter(args.adapter) if args.adapter else None
+    check_choice("dtype", dtype, get_args(ModelConfig.model_fields["dtype"].annotation))
+    check_choice("quantize", choice.quantize,
+                 get_args(ModelConfig.model_fields["quantize"].annotation))
+    check_positive("quantize_group", choice.quantize_group)
+    adapter = resolve_adapter(str(choice.adapter)) if choice.adapter else None
     if adapter is None:
-        if args.base is None:
+        if choice.base is None:
             raise UserError("--base MODEL is required without --adapter (a local Hugging Face "
                             "directory or smollm2-135m-instruct)")
-        base = args.base
+        base = str(choice.base)
     else:
-        base_dir = resolve_base(adapter, args.base)
-        check_base(adapter, base_dir, args.ignore_fingerprint)
-        if args.base is None:
+        given = str(choice.base) if choice.base is not None else None
+        base_dir = resolve_base(adapter, given)
+        check_base(adapter, base_dir, choice.ignore_fingerprint)
+        if choice.base is None:
             print(f"base: {base_dir} (recorded by the adapter)", file=sys.stderr)
         base = str(base_dir)
-    wanted = {"model.dtype": dtype, "model.quantize": getattr(args, "quantize", None),
-              "model.quantize_group": getattr(args, "quantize_group", None), **(settings or {})}
+    wanted = {"model.dtype": dtype, "model.quantize": choice.quantize,
+              "model.quantize_group": choice.quantize_group, **(settings or {})}
     chosen = _settings_from_run(adapter, wanted)
     model = ModelConfig(path=base, dtype=chosen.pop("model.dtype"),
                         quantize=chosen.pop("model.quantize"),

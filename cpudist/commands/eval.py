@@ -6,14 +6,26 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cpudist.commands.common import (
+    ModelChoice,
     add_model_arguments,
     add_quantize_arguments,
+    check_choice,
+    check_positive,
     positive_int,
     trained_model,
 )
 from cpudist.errors import UserError
+
+if TYPE_CHECKING:
+    from cpudist.records import (
+        ClassificationReport,
+        DataEvalResult,
+        PreferenceEvalResult,
+        TaskEvalResult,
+    )
 
 HELP = ("loss, perplexity and token accuracy on a data file (preference pairs: how often base and "
         "adapter prefer the chosen answer), or accuracy on a task")
@@ -64,24 +76,52 @@ def _max_length(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.task is not None:
+        result, target = evaluate_task_file(
+            ModelChoice.of(args), args.task, out=args.out, max_new_tokens=args.max_new_tokens,
+            system=args.system, dtype=args.dtype)
+        if args.json:
+            print(json.dumps(result.to_json()))
+            return 0
+        print("\n".join(result.lines()))
+        print(f"written to {target}" if target else
+              "not written anywhere (no adapter run directory; pass --out FILE to keep it)")
+        return 0
+    scores = evaluate_data(ModelChoice.of(args), args.data, data_format=args.format,
+                           max_length=args.max_length, batch_size=args.batch_size,
+                           max_batches=args.max_batches, system=args.system, dtype=args.dtype)
+    print(json.dumps(scores.to_json()) if args.json else scores.line())
+    return 0
+
+
+def evaluate_data(choice: ModelChoice, data: str | Path, *, data_format: str | None = None,
+                  max_length: int | None = None, batch_size: int | None = None,
+                  max_batches: int | None = None, system: str | None = None,
+                  dtype: str | None = None
+                  ) -> DataEvalResult | PreferenceEvalResult | ClassificationReport:
+    """`eval --data`: the trainer's validation figures of base (+ adapter) on a data file (a
+    classifier's on labelled rows, preference figures on pairs); None = the adapter's run's
+    setting, else the default."""
     from cpudist.config import Config, DataConfig, DistConfig, PreferenceConfig, TrainConfig
+    from cpudist.data.formats import FORMATS
     from cpudist.infer.evaluate import evaluate_file
     from cpudist.infer.session import open_session
     from cpudist.runtime.process import start_process
 
-    if args.task is not None:
-        return _run_task(args)
-    chosen = trained_model(args, args.dtype, {
-        "data.format": args.format, "data.max_length": args.max_length,
-        "train.batch_size": args.batch_size, "data.system_prompt": args.system,
-        "preference.beta": None})
+    check_choice("format", data_format, list(FORMATS))
+    for flag, value in (("max_length", max_length), ("batch_size", batch_size),
+                        ("max_batches", max_batches)):
+        check_positive(flag, value)
+    chosen = trained_model(choice, dtype, {
+        "data.format": data_format, "data.max_length": max_length,
+        "train.batch_size": batch_size, "data.system_prompt": system, "preference.beta": None})
     settings = chosen.settings
     config = Config(
         model=chosen.model,
-        data=DataConfig(path=args.data, format=settings["data.format"],
+        data=DataConfig(path=str(data), format=settings["data.format"],
                         max_length=settings["data.max_length"],
                         system_prompt=settings["data.system_prompt"], val_fraction=0.0),
-        train=TrainConfig(batch_size=settings["train.batch_size"], eval_batches=args.max_batches),
+        train=TrainConfig(batch_size=settings["train.batch_size"], eval_batches=max_batches),
         preference=PreferenceConfig(beta=settings["preference.beta"]))
     classifier = _is_classifier(chosen.adapter, settings["data.format"])
     with start_process(DistConfig()) as process:
@@ -89,14 +129,16 @@ def run(args: argparse.Namespace) -> int:
         if classifier:
             from cpudist.infer.classify import evaluate_labelled
 
-            report = evaluate_labelled(session, args.max_batches)
-            report.adapter = args.adapter
-            print(json.dumps(report.to_json()) if args.json else report.line())
-            return 0
-        result = evaluate_file(session, args.max_batches)
-    result.adapter = args.adapter
-    print(json.dumps(result.to_json()) if args.json else result.line())
-    return 0
+            report = evaluate_labelled(session, max_batches)
+            report.adapter = _given(choice.adapter)
+            return report
+        result = evaluate_file(session, max_batches)
+    result.adapter = _given(choice.adapter)
+    return result
+
+
+def _given(adapter: str | Path | None) -> str | None:
+    return None if adapter is None else str(adapter)
 
 
 def _is_classifier(adapter: Path | None, data_format: str) -> bool:
@@ -115,9 +157,12 @@ def _is_classifier(adapter: Path | None, data_format: str) -> bool:
     return classifier
 
 
-def _run_task(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+def evaluate_task_file(choice: ModelChoice, task_file: str | Path, *, out: str | Path | None = None,
+                       max_new_tokens: int = 32, system: str | None = None,
+                       dtype: str | None = None) -> tuple[TaskEvalResult, Path | None]:
+    """`eval --task`: the accuracy of the base and of base + adapter on a task, added to `out`
+    (default: eval.json in the adapter's run directory); the result and where it was written
+    (None: nowhere, no adapter run directory and no out)."""
     from cpudist.config import Config, DistConfig
     from cpudist.data.tasks import load_task
     from cpudist.infer.session import open_session
@@ -127,16 +172,17 @@ def _run_task(args: argparse.Namespace) -> int:
     from cpudist.runtime.process import start_process
     from cpudist.train.output import run_dir_of
 
-    task = load_task(args.task)  # a bad file fails before the model loads
-    chosen = trained_model(args, args.dtype, {"data.system_prompt": args.system})
+    check_positive("max_new_tokens", max_new_tokens)
+    task = load_task(str(task_file))  # a bad file fails before the model loads
+    chosen = trained_model(choice, dtype, {"data.system_prompt": system})
     system = chosen.settings["data.system_prompt"]
     run_dir = run_dir_of(chosen.adapter) if chosen.adapter else None
-    target = Path(args.out) if args.out else (run_dir / EVAL_FILE if run_dir else None)
+    target = Path(out) if out else (run_dir / EVAL_FILE if run_dir else None)
     if target is not None:
         read_eval(target)  # earlier results that could not be kept stop it before the slow part
     with start_process(DistConfig()) as process:
         session = open_session(Config(model=chosen.model), process, chosen.adapter)
-        scores = evaluate_task(session, task, system, args.max_new_tokens)
+        scores = evaluate_task(session, task, system, max_new_tokens)
         dtype = session.precision.describe()
     result = TaskEvalResult(
         task=task.name, file=str(task.source.resolve()), kind=task.kind, items=len(task.items),
@@ -145,10 +191,4 @@ def _run_task(args: argparse.Namespace) -> int:
         dtype=dtype, before=scores["base"], after=scores.get("adapter"))
     if target is not None:
         write_eval(target, result)
-    if args.json:
-        print(json.dumps(result.to_json()))
-        return 0
-    print("\n".join(result.lines()))
-    print(f"written to {target}" if target else
-          "not written anywhere (no adapter run directory; pass --out FILE to keep it)")
-    return 0
+    return result, target

@@ -5,13 +5,19 @@ from __future__ import annotations
 import argparse
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cpudist.commands.common import (
+    ModelChoice,
     TrainedModel,
     add_model_arguments,
     add_quantize_arguments,
+    check_choice,
     trained_model,
 )
+
+if TYPE_CHECKING:
+    from cpudist.records import ExportedGGUF
 
 HELP = "write a GGUF file for llama.cpp / Ollama: merged model, base alone, or LoRA adapter alone"
 DESCRIPTION = (
@@ -41,28 +47,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    print(export_gguf(ModelChoice.of(args), args.out, file_type=args.type, lora=args.lora,
+                      force=args.force, run_dtype=args.run_dtype).line())
+    return 0
+
+
+def export_gguf(choice: ModelChoice, out: str | Path, *, file_type: str = "f16",
+                lora: bool = False, force: bool = False, run_dtype: str | None = None
+                ) -> ExportedGGUF:
+    """A GGUF file for llama.cpp: the base alone (no adapter), base and adapter merged, or (lora)
+    the adapter alone; run_dtype: model.dtype of a quantized run (default: the adapter's)."""
     from cpudist.errors import UserError
+    from cpudist.records import ExportedGGUF
     from cpudist.runtime.process import quiet_libraries
 
     quiet_libraries()
-    out = Path(args.out).expanduser()
-    if out.exists() and not args.force:
-        raise UserError(f"--out {args.out} already exists; choose a new file or pass --force")
-    if args.lora and not args.adapter:
+    check_choice("type", file_type, TYPE_NAMES)
+    target = Path(out).expanduser()
+    if target.exists() and not force:
+        raise UserError(f"--out {out} already exists; choose a new file or pass --force")
+    if lora and not choice.adapter:
         raise UserError("--lora writes an adapter: pass --adapter DIR with it")
-    if args.adapter:
+    if choice.adapter:
         from cpudist.model.adapters import check_mergeable, resolve_adapter
 
-        check_mergeable(resolve_adapter(args.adapter), "cpudist export")  # before the slow checks
+        check_mergeable(resolve_adapter(str(choice.adapter)), "cpudist export")  # before slow ones
     # The adapter's recorded base when --base is left out; a wrong one is refused.
-    chosen = trained_model(args, args.run_dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".export-", dir=out.parent) as scratch:
-        target = _export(chosen, args.lora, args.type, out, Path(scratch))
-    print(f"LoRA GGUF written to {target} (apply it on the GGUF of its base: cpudist export "
-          f"--base {chosen.model.path} --out BASE.gguf)" if args.lora
-          else f"GGUF model ({args.type}) written to {target}")
-    return 0
+    chosen = trained_model(choice, run_dtype)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=target.parent) as scratch:
+        written = _export(chosen, lora, file_type, target, Path(scratch))
+    return ExportedGGUF(str(written), file_type, lora, chosen.model.path)
 
 
 def _export(chosen: TrainedModel, lora: bool, file_type: str, out: Path, scratch: Path) -> Path:

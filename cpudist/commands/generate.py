@@ -6,11 +6,14 @@ import argparse
 import sys
 
 from cpudist.commands.common import (
+    ModelChoice,
     add_model_arguments,
     add_quantize_arguments,
+    check_positive,
     positive_int,
     trained_model,
 )
+from cpudist.errors import UserError
 
 HELP = "answer a prompt with a base model (and adapter), streaming tokens"
 DESCRIPTION = ("Greedy (or sampled) generation; the prompt is rendered with the tokenizer's chat "
@@ -31,17 +34,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    generate_answer(ModelChoice.of(args), args.prompt, system=args.system,
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    dtype=args.dtype, stream=True)
+    sys.stdout.flush()
+    return 0
+
+
+def generate_answer(choice: ModelChoice, prompt: str, *, system: str | None = None,
+                    max_new_tokens: int = 128, temperature: float = 0.0,
+                    dtype: str | None = None, stream: bool = False) -> str:
+    """The answer of base (+ adapter) to a user message, rendered as training renders a user turn
+    (stream: printed to stdout token by token as well)."""
     from cpudist.config import Config, DistConfig
     from cpudist.infer.generate import generate, prompt_ids
     from cpudist.infer.session import open_session
     from cpudist.model.adapters import check_generative
     from cpudist.runtime.process import start_process
 
-    chosen = trained_model(args, args.dtype, {"data.system_prompt": args.system})
+    check_positive("max_new_tokens", max_new_tokens)
+    if not isinstance(temperature, int | float) or temperature < 0:
+        raise UserError(f"temperature={temperature!r}: give 0 (greedy) or more")
+    chosen = trained_model(choice, dtype, {"data.system_prompt": system})
     check_generative(chosen.adapter, "cpudist generate")
     with start_process(DistConfig()) as process:
         session = open_session(Config(model=chosen.model), process, chosen.adapter)
-        ids = prompt_ids(session.tokenizer, args.prompt, chosen.settings["data.system_prompt"])
-        generate(session, ids, args.max_new_tokens, args.temperature, stream=True)
-    sys.stdout.flush()
-    return 0
+        ids = prompt_ids(session.tokenizer, prompt, chosen.settings["data.system_prompt"])
+        return generate(session, ids, max_new_tokens, temperature, stream=stream)

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
-from cpudist.commands.common import add_model_arguments, positive_int, trained_model
+from cpudist.commands.common import (
+    ModelChoice,
+    add_model_arguments,
+    check_positive,
+    positive_int,
+    trained_model,
+)
 
 HELP = "a trained classifier's labels and scores for the rows of a file"
 DESCRIPTION = ("Each row of --data (a 'text' field, optionally 'text_pair'; other fields are kept, "
@@ -30,6 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    rows = predict_file(ModelChoice.of(args), args.data, args.out, batch_size=args.batch_size,
+                        max_length=args.max_length, dtype=args.dtype)
+    print(f"{len(rows)} predictions written to {args.out}")
+    return 0
+
+
+def predict_file(choice: ModelChoice, data: str | Path, out: str | Path | None = None, *,
+                 batch_size: int | None = None, max_length: int | None = None,
+                 dtype: str | None = None) -> list[dict[str, Any]]:
+    """A classifier's prediction for each row of `data` (its fields, the predicted 'label' or
+    'labels', every label's probability in 'scores'), written to `out` (.jsonl) when given."""
     from cpudist.config import Config, DataConfig, DistConfig
     from cpudist.errors import UserError
     from cpudist.infer.classify import predict_rows, write_predictions
@@ -37,18 +55,23 @@ def run(args: argparse.Namespace) -> int:
     from cpudist.model.adapters import SEQ_CLS, saved_task
     from cpudist.runtime.process import start_process
 
-    chosen = trained_model(args, args.dtype, {"train.batch_size": args.batch_size,
-                                              "data.max_length": args.max_length})
+    if choice.adapter is None:
+        raise UserError("predict needs a classifier: pass --adapter DIR (OUTPUT/adapter of a run "
+                        "with train.objective=classification)")
+    check_positive("batch_size", batch_size)
+    check_positive("max_length", max_length)
+    chosen = trained_model(choice, dtype, {"train.batch_size": batch_size,
+                                           "data.max_length": max_length})
     assert chosen.adapter is not None
     if saved_task(chosen.adapter) != SEQ_CLS:
         raise UserError(f"--adapter {chosen.adapter} is not a classifier (it generates text); use "
                         "`cpudist generate`, or train one with train.objective=classification")
     settings = chosen.settings
     config = Config(model=chosen.model, data=DataConfig(
-        path=args.data, format="classification", max_length=settings["data.max_length"]))
+        path=str(data), format="classification", max_length=settings["data.max_length"]))
     with start_process(DistConfig()) as process:
         session = open_session(config, process, chosen.adapter)
         rows = predict_rows(session, chosen.adapter, settings["train.batch_size"])
-    write_predictions(rows, Path(args.out))
-    print(f"{len(rows)} predictions written to {args.out}")
-    return 0
+    if out is not None:
+        write_predictions(rows, Path(out))
+    return rows

@@ -1,14 +1,17 @@
 """cpudist started by real torchrun: the same run as under mpirun, and torchrun's restarts
 (--max-restarts) continued from the newest checkpoint without train.resume=auto, each restart a
 record in metrics.jsonl; the run tracked in a real MLflow server by rank 0 alone, once, across
-the restart."""
+the restart; an elastic job (--nnodes 1:2) that loses a fake node continues on the one left."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ import pytest
 
 from tests.helpers import (
     cpudist_cmd,
+    cpudist_in_process,
     metric_records,
     mpirun_cmd,
     run,
@@ -145,3 +149,81 @@ def test_two_fake_nodes_rendezvous_across_the_veth_and_match_mpirun(
     assert [loss for _, loss in got] == pytest.approx([loss for _, loss in expected],
                                                       abs=1e-6, rel=0)
     assert_same_adapter(out, reference)
+
+
+def node_pids(node: str) -> list[int]:
+    """Every process in a fake node (network namespace)."""
+    found = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True,
+                           timeout=30)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def lose_node(node: str) -> None:
+    """The node gone: its torchrun agent and its workers, which torchrun starts in sessions of
+    their own (killing the agent's process group alone leaves them training)."""
+    for pid in node_pids(node):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.netns
+def test_an_elastic_job_that_loses_a_node_continues_on_the_node_left(
+        netns_cluster: Any, tiny_llama: Path, chat_file: Path, tmp_path: Path) -> None:
+    """torchrun --nnodes 1:2 on two fake nodes (one rank each), node 1 lost after step 2: node 0's
+    rank loses its peer (exit 76), its agent restarts it, the next rendezvous closes with node 0
+    alone once node 1's heartbeats stop, and cpudist resumes the 2-rank checkpoint on 1 rank with
+    the global batch kept (2 rows x 2 accumulation), every step once, the losses and adapter of
+    an uninterrupted run with the same global batch up to summation order."""
+    from tests.train.test_resume import adapter_difference
+
+    steps = 8
+    settings = {"train__max_steps": steps, "train__batch_size": 2, "train__save_every": 2,
+                "dist__threads_per_rank": 1, "dist__timeout_s": 30}
+    reference = tmp_path / "reference"
+    assert cpudist_in_process(["train", *tiny_overrides(
+        tiny_llama, chat_file, reference, **{**settings, "train__batch_size": 4})]) == 0
+    out = tmp_path / "elastic"
+    # Dead-node detection after 2 missed 1 s heartbeats, and 6 s for a late joiner once one node
+    # is there (defaults: 15 s and 30 s): the agents of a loaded machine may start seconds apart,
+    # and a first round without node 1 would be a different run.
+    rdzv = "last_call_timeout=6,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+    logs = [tmp_path / f"node{index}.log" for index in range(2)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CPUDIST_FAULT_SLOW_STEP_S": "0.3"}
+    agents = []
+    try:
+        for index, node in enumerate(netns_cluster.nodes):
+            with logs[index].open("w") as log:
+                agents.append(subprocess.Popen(netns_cluster.exec_argv(node, [
+                    str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1:2",
+                    "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                    f"{netns_cluster.address(0)}:29478", "--rdzv-id", "shrink", "--rdzv-conf",
+                    rdzv, "--local-addr", netns_cluster.address(index), "--max-restarts", "1",
+                    "--monitor-interval", "0.2", "--no-python", *cpudist_cmd(), "train",
+                    *tiny_overrides(tiny_llama, chat_file, out, **settings),
+                    f"dist.interface={netns_cluster.ifname}"]), stdout=log,
+                    stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        deadline = time.monotonic() + 120
+        while len(step_losses(out)) < 2:
+            assert all(agent.poll() is None for agent in agents), logs[0].read_text()[-3000:]
+            assert time.monotonic() < deadline, "no progress: " + logs[0].read_text()[-3000:]
+            time.sleep(0.05)
+        lose_node(netns_cluster.nodes[1])
+        agents[0].wait(timeout=120)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+        for node in netns_cluster.nodes:
+            lose_node(node)
+    log = logs[0].read_text()
+    assert agents[0].returncode == 0, log[-5000:]
+    assert "ranks: 2 (torchrun), this node: 1" in log + logs[1].read_text()  # both nodes first
+    assert "restart 1 by torchrun: resuming from the newest checkpoint" in log, log[-5000:]
+    assert "resuming a 2-rank checkpoint: global batch 4 kept on 1 rank(s)" in log
+    assert "global batch 4 = 1 rank(s) x micro-batch 2 x 2 accumulation" in log
+    [restart] = [r for r in metric_records(out) if r.get("event") == "restart"]
+    assert restart["resumed_from_step"] >= 2
+    expected, got = step_losses(reference), step_losses(out)
+    assert [s for s, _ in got] == list(range(1, steps + 1)), "every step once, in order"
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in expected], rel=1e-4)
+    assert adapter_difference(out, reference) <= 1e-3
