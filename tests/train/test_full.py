@@ -131,3 +131,33 @@ def test_plan_counts_full_weights_gradients_and_sharded_optimizer(tiny_llama: Pa
     node = ((need + sharded_need) / 2 / 0.95, "test")
     assert not estimate(config, parts, 2, node, "float32").fits
     assert advise(config, parts, 2, node, "float32")[0] == "train.zero=true"
+
+
+def test_full_classifier_trains_head_and_backbone_and_orpo_trains(
+        tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.objectives.test_preference import unique_pairs_file
+    from tests.train.test_classification import classifier_overrides, topic_files
+
+    train, val = topic_files(tmp_path)
+    out = tmp_path / "classifier"
+    done = cli_in_process(capsys, ["train", *classifier_overrides(
+        tiny_llama, train, val, out, peft__method="full", train__lr=1e-3)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = out / "model"
+    assert json.loads((saved / "classification.json").read_text())["labels"] == [
+        "ai", "coding", "psychology", "trivia"]
+    model = AutoModelForSequenceClassification.from_pretrained(saved, dtype=torch.float32)
+    assert model.config.num_labels == 4
+    start = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    layer = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(dict(model.named_parameters())[layer],
+                           dict(start.named_parameters())[layer])  # the backbone trained too
+
+    pairs = tiny_overrides(tiny_llama, unique_pairs_file(tmp_path / "pairs.jsonl"),
+                           tmp_path / "orpo", peft__method="full", data__format="preference",
+                           train__objective="orpo", train__max_steps=2, train__lr=1e-3)
+    orpo = cli_in_process(capsys, ["train", *pairs])
+    assert orpo.returncode == 0, orpo.stderr[-3000:]
+    assert (tmp_path / "orpo" / "model" / "config.json").is_file()
