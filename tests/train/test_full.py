@@ -161,3 +161,20 @@ def test_full_classifier_trains_head_and_backbone_and_orpo_trains(
     orpo = cli_in_process(capsys, ["train", *pairs])
     assert orpo.returncode == 0, orpo.stderr[-3000:]
     assert (tmp_path / "orpo" / "model" / "config.json").is_file()
+
+
+def test_bench_full_vs_hf_trainer_times_the_same_full_training(tiny_qwen: Path,
+                                                               tmp_path: Path) -> None:
+    """`bench --method full --vs hf`: both sides train every weight (6 FLOPs per weight and token,
+    the head's too) over the same samples; HF's model is fp32 as its full fine-tuning recipe."""
+    from tests.bench.test_bench import _bench
+
+    figures, printed = _bench(tiny_qwen, tmp_path, "--method", "full", "--vs", "hf")
+    assert "cpudist / hf" in printed
+    ours, hf = figures["cpudist"], figures["hf"]
+    assert hf["framework"] == "hf-trainer" and ours["config"]["peft"]["method"] == "full"
+    assert hf["flop_model"] == ours["flop_model"]
+    flops = ours["flop_model"]
+    assert flops["n_frozen"] == 0 and flops["n_lora"] > 0 and flops["head_trained"]
+    assert ours["tokens_per_s"] * ours["s_per_step"] == pytest.approx(
+        hf["tokens_per_s"] * hf["s_per_step"])
