@@ -50,8 +50,10 @@ class PeftSection(_Section):
     # What trains besides a classification head (cpudist.model.adapters.ADAPTER_METHODS):
     # lora (with rsLoRA and DoRA as lora.* settings), ia3, or a prompt-learning method:
     # prompt_tuning, p_tuning (a prompt encoder), prefix_tuning (P-Tuning v2: a prefix of keys
-    # and values in every layer). Each has its section below.
-    method: Literal["lora", "ia3", "prompt_tuning", "p_tuning", "prefix_tuning"] = "lora"
+    # and values in every layer). Each has its section below. full: no adapter, every weight of
+    # the model trains (fp32 master weights, bf16 autocast where the precision says so, AdamW);
+    # the output is a plain Hugging Face model directory, OUTPUT/model.
+    method: Literal["lora", "ia3", "prompt_tuning", "p_tuning", "prefix_tuning", "full"] = "lora"
 
 
 class LoraConfig(_Section):
@@ -179,6 +181,10 @@ class TrainConfig(_Section):
     # cpudist.train.engine.decide_compile).
     compile: bool | Literal["auto"] = "auto"
     ipex: bool = False
+    # Shard AdamW's state across the ranks (torch's ZeroRedundancyOptimizer): each rank keeps and
+    # updates 1/world of it, then broadcasts its parameters. Saves memory for peft.method=full;
+    # checkpoints gather the whole state to rank 0, so they resume on any world size.
+    zero: bool = False
     # Before loading, refuse a run whose predicted memory exceeds the node's (`cpudist plan`);
     # false runs anyway (e.g. when swap or a better estimate says it fits).
     check_memory: bool = True
@@ -235,6 +241,9 @@ class OutputConfig(_Section):
     overwrite: bool = False
     tensorboard: bool = False
     plots: bool = True
+    # peft.method=full: the largest safetensors file of a saved model (OUTPUT/model, checkpoints);
+    # bigger models are split into several files with an index, as save_pretrained does.
+    max_shard_mb: int = Field(2000, gt=0)
 
 
 class TrackingConfig(_Section):
@@ -433,10 +442,27 @@ def check_together(config: Config, source: str = "config") -> None:
     if method in PROMPT_LEARNING and config.data.packing:
         raise UserError(f"{source}: data.packing=true with peft.method={method}: the virtual tokens "
                         "belong to one sample per row; set data.packing=false")
+    if method == "full":
+        _check_full(config, source)
     if objective != "auto" and objective not in objectives_of(fmt):
         raise UserError(f"{source}: train.objective={objective} cannot train on data.format={fmt} "
                         f"(its records are for {' or '.join(objectives_of(fmt))}); use "
                         "train.objective=auto or a data format of that objective")
+
+
+def _check_full(config: Config, source: str) -> None:
+    """What peft.method=full (every weight trains, no adapter) cannot be combined with."""
+    if config.model.quantize != "none":
+        raise UserError(f"{source}: peft.method=full trains every weight, and a quantized base "
+                        f"(model.quantize={config.model.quantize}) has frozen integer weights; set "
+                        "model.quantize=none or use peft.method=lora")
+    if config.model.init_adapter:
+        raise UserError(f"{source}: model.init_adapter starts an adapter, and peft.method=full "
+                        "trains no adapter; point model.path at the model to start from instead")
+    if config.objective_name() == "dpo":
+        raise UserError(f"{source}: train.objective=dpo needs a frozen reference model beside the "
+                        "trained one, which peft.method=full does not keep; use "
+                        "train.objective=orpo (no reference) or an adapter method")
 
 
 def _describe(exc: ValidationError, source: str, lines: dict[str, int], overrides: set[str]) -> str:

@@ -36,6 +36,7 @@ class FlopModel:
     dora_products: int = 0  # sum of r x in x out over DoRA layers (their B @ A per micro-batch)
     virtual_tokens: int = 0  # prompt tuning / P-tuning: positions added in front of each sample
     prefix_keys: int = 0  # prefix tuning: keys and values added in every layer
+    head_trained: bool = False  # peft.method=full: the head's weight gradient too (6, not 4)
 
     def step_flops(self, sample_lengths: list[int], label_tokens: int, passes: int = 1) -> float:
         """FLOPs of one step over these samples, in `passes` micro-batches."""
@@ -44,7 +45,8 @@ class FlopModel:
         attention = 6 * self.n_layers * self.attn_dim * sum(
             n * n + 2 * self.prefix_keys * n for n in lengths)
         dora = 6 * self.dora_products * passes
-        return float(linear + attention + 4 * self.head_params * label_tokens + dora)
+        head = (6 if self.head_trained else 4) * self.head_params * label_tokens
+        return float(linear + attention + head + dora)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -72,7 +74,9 @@ def flop_model(peft_model: nn.Module) -> FlopModel:
         if not isinstance(module, nn.Linear) or module is head:
             continue
         # in x out, not weight.numel(): a peer's 4-bit layer packs two weights per element.
-        if ".lora_" in name:
+        # Trained linears (an adapter's, or every one with peft.method=full) cost 6 FLOPs per
+        # weight and token (forward, input and weight gradients); frozen ones 4.
+        if ".lora_" in name or module.weight.requires_grad:
             n_lora += module.in_features * module.out_features
         elif not module.weight.requires_grad:
             n_frozen += module.in_features * module.out_features
@@ -82,7 +86,8 @@ def flop_model(peft_model: nn.Module) -> FlopModel:
     return FlopModel(n_frozen=n_frozen, n_lora=n_lora, n_layers=config.num_hidden_layers,
                      attn_dim=config.num_attention_heads * head_dim,
                      head_params=head.weight.numel(), dora_products=dora,
-                     virtual_tokens=virtual, prefix_keys=prefix)
+                     virtual_tokens=virtual, prefix_keys=prefix,
+                     head_trained=head.weight.requires_grad)
 
 
 def _prompt_positions(peft_model: nn.Module) -> tuple[int, int]:

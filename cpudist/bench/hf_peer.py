@@ -1,4 +1,5 @@
-"""The peer to beat: Hugging Face Trainer + PEFT LoRA on the same model, data and settings.
+"""The peer to beat: Hugging Face Trainer + PEFT LoRA on the same model, data and settings (or,
+with peft.method=full, Trainer's full fine-tuning of the fp32 model with bf16 autocast).
 
 Run as its own process by `cpudist bench --vs hf` (``python -m cpudist.bench.hf_peer CONFIG ...``)
 on the resolved config cpudist's side reads too. It reports the same figures as the bench,
@@ -111,7 +112,8 @@ class StepClock(TrainerCallback):
 def load_peer_model(config: Config, precision: Precision, quantization: Any
                     ) -> tuple[Any, Any, float]:
     """(HF model + PEFT LoRA as a user would set it up, on the given quantization config or
-    none, tokenizer, seconds to load)."""
+    none, or with peft.method=full the model alone, every weight trained; tokenizer, seconds to
+    load)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -124,10 +126,14 @@ def load_peer_model(config: Config, precision: Precision, quantization: Any
     loading = time.perf_counter()
     attention = attention_implementation(config.model.attn_implementation,
                                          AutoConfig.from_pretrained(config.model.path))
-    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=precision.compute_dtype,
+    # Full fine-tuning as HF documents it: fp32 weights, bf16 by the Trainer's autocast.
+    dtype = torch.float32 if config.peft.method == "full" else precision.compute_dtype
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=dtype,
                                                  attn_implementation=attention,
                                                  quantization_config=quantization)
     model.config.use_cache = False
+    if config.peft.method == "full":
+        return model, tokenizer, time.perf_counter() - loading
     if quantization is not None:
         # As the QLoRA recipes do: norms in fp32, input gradients on, checkpointing as configured.
         from peft import prepare_model_for_kbit_training
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer, load_s = load_peer_model(config, precision, quantization)
     # One epoch of the timed steps; the warm-up steps run on the same set first (as cpudist's bench).
     split, description = bench_samples(config, args.data, args.steps * tc.batch_size * tc.grad_accum,
-                                       tokenizer, model.get_base_model().config.vocab_size)
+                                       tokenizer, model.config.vocab_size)
     rows = [{"input_ids": ids, "labels": labels}
             for ids, labels in zip(split.input_ids, split.labels, strict=True)]
     collator = PadCollator(tokenizer.pad_token_id)
@@ -216,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = timed_steps(clock, collator.seen, tc.grad_accum, args.warmup, flops)
     result = BenchResult(
         **dataclasses.asdict(throughput_figures(steps, peaks)),
-        peak_rss_gb=[peak_rss_gb()], node_pss_gb=pss.peak / 1024**3, framework="hf-trainer+peft",
+        peak_rss_gb=[peak_rss_gb()], node_pss_gb=pss.peak / 1024**3,
+        framework="hf-trainer" if config.peft.method == "full" else "hf-trainer+peft",
         dtype=precision.describe(), threads=torch.get_num_threads(), world_size=1,
         steps=len(steps), warmup_steps=args.warmup, data=description,
         model_dir=config.model.path, allocator=allocator_in_use(), flop_model=flops.as_dict(),

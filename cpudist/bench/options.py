@@ -29,6 +29,7 @@ class BenchArgs:
     threads: int | None
     profile: bool = False
     objective: str | None = None  # train.objective; dpo and orpo time preference pairs
+    method: str | None = None  # peft.method; full trains every weight
 
     def flags(self) -> list[str]:
         """The same settings as `cpudist bench` flags (for the bench run in another process)."""
@@ -40,6 +41,8 @@ class BenchArgs:
                 flags += [flag, str(value)]
         if self.objective:
             flags += ["--objective", self.objective]
+        if self.method:
+            flags += ["--method", self.method]
         return flags + (["--profile"] if self.profile else [])
 
 
@@ -56,6 +59,8 @@ def bench_config(config_path: str | None, overrides: list[str], args: BenchArgs)
         extra.append(f"dist.threads_per_rank={args.threads}")
     if args.objective:
         extra.append(f"train.objective={args.objective}")
+    if args.method:
+        extra.append(f"peft.method={args.method}")
     if args.objective in PAIR_OBJECTIVES:
         extra.append("data.format=preference")
         if not any(item.startswith("data.path=") for item in overrides):

@@ -62,7 +62,8 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> BenchResult | N
     samples = args.steps * tc.batch_size * tc.grad_accum * placement.world_size
 
     def load_data(tokenizer: Any, model: Any) -> Datasets:
-        vocab = model.get_base_model().config.vocab_size
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        vocab = base.config.vocab_size
         train, description = bench_samples(config, args.data, samples, tokenizer, vocab)
         return Datasets(train, train.subset([]), description)
 

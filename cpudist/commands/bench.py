@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from cpudist.bench.options import DATA_KINDS, BenchArgs
 from cpudist.bench.presets import PRESETS
 from cpudist.commands.common import add_settings, non_negative_int, positive_int, split_settings
-from cpudist.config import Config
+from cpudist.config import Config, PeftSection
 from cpudist.records import BenchResult
 from cpudist.runtime.allocator import CHOICES as ALLOCATORS
 
@@ -39,6 +39,9 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
                         help="train.objective; dpo and orpo time preference pairs (synthetic: a "
                              "prompt of half of --seq-len, then two answers of the other half, so "
                              "each sequence is --seq-len tokens; instruct: chatterbot-pairs:english)")
+    parser.add_argument("--method", choices=get_args(PeftSection.model_fields["method"].annotation),
+                        help="peft.method: an adapter method, or full (every weight trains; the "
+                             "--vs hf peer then trains the whole model too)")
     parser.add_argument("--allocator", choices=ALLOCATORS,
                         help="malloc of cpudist's benchmark processes (default: CPUDIST_ALLOCATOR, "
                              "else auto = mimalloc, which ships with cpudist); --hf-allocator sets HF's")
@@ -55,7 +58,7 @@ def bench_args(ns: argparse.Namespace) -> tuple[str | None, list[str], BenchArgs
     config_path, overrides = split_settings(ns.settings)
     return config_path, overrides, BenchArgs(ns.preset, ns.layers, ns.data, ns.steps, ns.warmup,
                                              ns.batch_size, ns.seq_len, ns.dtype, ns.threads,
-                                             ns.profile, ns.objective)
+                                             ns.profile, ns.objective, ns.method)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -95,6 +95,15 @@ ADAPTER_METHODS: dict[str, Method] = {
 }
 
 
+# peft.method that trains every weight of the model itself, with no adapter (not a PEFT method).
+FULL = "full"
+
+
+def is_full(config: Config) -> bool:
+    """Whether the run trains every weight (peft.method=full) rather than an adapter."""
+    return config.peft.method == FULL
+
+
 def method_of(config: Config) -> str:
     """The adapter method a config asks for (a key of ADAPTER_METHODS)."""
     return config.peft.method
@@ -281,6 +290,9 @@ def resolve_adapter(path: str) -> Path:
                                 "adapter_model.bin files are not loaded); re-save the adapter with "
                                 "save_pretrained(DIR, safe_serialization=True)")
             return candidate
+    if (folder / "model" / "config.json").is_file():
+        raise UserError(f"--adapter {path}: a run of peft.method=full, which trains no adapter; "
+                        f"its model is a plain model directory: pass --base {folder / 'model'}")
     raise UserError(f"--adapter {path}: no adapter_config.json in it (nor in {folder / 'adapter'}); "
                     "pass OUTPUT/adapter of a cpudist train run")
 

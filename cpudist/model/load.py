@@ -23,6 +23,7 @@ from cpudist.model.adapters import (
     SEQ_CLS,
     apply_adapter,
     enable_activation_checkpointing,
+    is_full,
     load_adapter,
 )
 from cpudist.runtime.precision import Precision
@@ -154,9 +155,11 @@ def attention_implementation(requested: str, hf_config: Any) -> str:
 
 
 def load_base_model(config: ModelConfig, path: Path, precision: Precision,
-                    map_weights: bool = False, head: Head = LM_HEAD) -> nn.Module:
-    """The frozen base model with `head`, its weights stored in precision.frozen_dtype (a new
-    classification head is initialised from the current torch seed: the same on every rank).
+                    map_weights: bool = False, head: Head = LM_HEAD,
+                    dtype: torch.dtype | None = None) -> nn.Module:
+    """The frozen base model with `head`, its weights stored in precision.frozen_dtype, or `dtype`
+    when given (a new classification head is initialised from the current torch seed: the same on
+    every rank).
 
     map_weights: frozen weights become read-only mappings of the safetensors files (shared by the
     node's ranks; cpudist.model.shared_weights), built without ever holding a private copy when the
@@ -164,7 +167,7 @@ def load_base_model(config: ModelConfig, path: Path, precision: Precision,
     """
     from transformers import AutoConfig
 
-    dtype = precision.frozen_dtype
+    dtype = dtype or precision.frozen_dtype
     cache_dir = Path(config.cache_dir).expanduser()
     mapped = None
     try:
@@ -262,6 +265,8 @@ def build_model(config: Config, precision: Precision, head: Head = LM_HEAD,
     path = resolve_model_path(config.model)
     if tokenizer is None:
         tokenizer = load_tokenizer(path, config.model.trust_remote_code)
+    if is_full(config):
+        return _full_model(config, path, precision, head), tokenizer, path
     base = load_base_model(config.model, path, precision,
                            map_weights=config.model.share_frozen_weights, head=head)
     model = apply_adapter(base, config, head.task)
@@ -275,6 +280,21 @@ def build_model(config: Config, precision: Precision, head: Head = LM_HEAD,
     # training mode.
     model.train()
     return model, tokenizer, path
+
+
+def _full_model(config: Config, path: Path, precision: Precision, head: Head) -> nn.Module:
+    """peft.method=full: the model itself, every weight trainable and held in fp32 (the master
+    weights AdamW updates; autocast computes in precision's dtype), private to this rank."""
+    if config.model.share_frozen_weights:
+        log.info("frozen-weight sharing: off (peft.method=full trains every weight, so each rank "
+                 "holds its own fp32 copy)")
+    model = load_base_model(config.model, path, precision, map_weights=False, head=head,
+                            dtype=torch.float32)
+    model.requires_grad_(True)
+    if config.model.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    model.train()
+    return model
 
 
 def load_for_inference(config: ModelConfig, adapter_dir: Path | None, precision: Precision,

@@ -4,7 +4,11 @@ Layout of OUTPUT/checkpoints/step-N/:
   adapter/                 PEFT adapter (adapter_config.json + adapter_model.safetensors)
   trainable.safetensors    every trainable parameter as the model names it: what resume loads (a
                            P-tuning adapter/ holds the encoder's output, not the encoder)
-  optimizer.safetensors    AdamW moments per trainable parameter (keyed by parameter name)
+  model/                   instead of both, with peft.method=full: the whole model as a Hugging
+                           Face directory (config, fp32 safetensors split at output.max_shard_mb,
+                           tokenizer), which is also what resume loads
+  optimizer.safetensors    AdamW moments per trainable parameter (keyed by parameter name; with
+                           train.zero gathered from every rank's shard, so any world size resumes)
   rng.safetensors          torch RNG state of every rank
   state.json               step, epoch, position in the epoch, world size, optimizer hyperparameters,
                            scheduler state, python RNG of every rank, counters
@@ -35,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from cpudist.errors import UserError
 from cpudist.files import fsync_dir, fsync_tree, remove, replacing
+from cpudist.model.adapters import is_full
 from cpudist.model.provenance import write_provenance
 from cpudist.runtime.comm import agreed, all_gather, broadcast, rank0_only
 from cpudist.train.checkpoint_files import check_given, checkpoint_dirs, resume_auto, write_manifest
@@ -106,12 +111,47 @@ def load_optimizer(optimizer: torch.optim.Optimizer, names: list[str],
     optimizer.load_state_dict({"state": state, "param_groups": settings["param_groups"]})
 
 
+@dataclass(frozen=True)
+class FullModel:
+    """How a peft.method=full run saves its model: beside it the tokenizer, split in files of at
+    most max_shard_mb."""
+
+    tokenizer: Any
+    max_shard_mb: int
+
+
+def save_full_model(model: Any, tokenizer: Any, target: Path, max_shard_mb: int) -> None:
+    """A plain Hugging Face model directory (config, safetensors shards, tokenizer) that
+    from_pretrained loads; the weights as trained (fp32 master weights)."""
+    model.save_pretrained(target, safe_serialization=True, max_shard_size=f"{max_shard_mb}MB")
+    tokenizer.save_pretrained(target)
+
+
+def read_full_model(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved model directory's safetensors files, by name."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def _save_adapter_files(model: Any, tmp: Path, annotate: Callable[[Path], None] | None) -> None:
+    model.save_pretrained(tmp / "adapter", safe_serialization=True)
+    if annotate is not None:
+        annotate(tmp / "adapter")
+    save_file({name: param.detach().contiguous() for name, param
+               in model.named_parameters() if param.requires_grad},
+              str(tmp / "trainable.safetensors"))
+
+
 def save_checkpoint(root: Path, model: Any, optimizer: torch.optim.Optimizer,
                     param_names: list[str], scheduler: Any, state: TrainState,
                     rng_states: list[dict[str, Any]], config_yaml: str, keep_last: int,
-                    annotate: Callable[[Path], None] | None = None) -> Path:
+                    annotate: Callable[[Path], None] | None = None,
+                    full: FullModel | None = None) -> Path:
     """Write OUTPUT/checkpoints/step-N atomically (rank 0 only); returns its path. annotate(dir)
-    adds files to the saved adapter directory (its base record and model card)."""
+    adds files to the saved adapter directory (its base record and model card); full: the run
+    trains the whole model, saved as model/ instead of an adapter."""
     for name, param in model.named_parameters():
         if param.requires_grad and not torch.isfinite(param).all():
             raise RuntimeError(f"refusing to save a checkpoint: trainable weight {name} is not "
@@ -120,12 +160,10 @@ def save_checkpoint(root: Path, model: Any, optimizer: torch.optim.Optimizer,
     try:
         with replacing(final) as tmp:
             tmp.mkdir()
-            model.save_pretrained(tmp / "adapter", safe_serialization=True)
-            if annotate is not None:
-                annotate(tmp / "adapter")
-            save_file({name: param.detach().contiguous() for name, param
-                       in model.named_parameters() if param.requires_grad},
-                      str(tmp / "trainable.safetensors"))
+            if full is not None:
+                save_full_model(model, full.tokenizer, tmp / "model", full.max_shard_mb)
+            else:
+                _save_adapter_files(model, tmp, annotate)
             tensors, settings = optimizer_tensors(optimizer, param_names)
             save_file(tensors, str(tmp / "optimizer.safetensors"))
             save_file({f"rank{r}": s["torch"] for r, s in enumerate(rng_states)},
@@ -173,9 +211,10 @@ def find_resume(resume: str | None, root: Path) -> Path | None:
     if resume == "auto":
         return resume_auto(root)
     path = Path(resume)
-    if not (path / "state.json").is_file() or not (path / "adapter").is_dir():
+    if not (path / "state.json").is_file() or not ((path / "adapter").is_dir()
+                                                   or (path / "model").is_dir()):
         raise UserError(f"train.resume={resume!r} is not a cpudist checkpoint (expected a "
-                        "checkpoints/step-N directory with state.json and adapter/); use "
+                        "checkpoints/step-N directory with state.json and adapter/ or model/); use "
                         "train.resume=auto to pick the newest one")
     check_given(path)
     return path
@@ -202,12 +241,17 @@ def _saved_state(path: Path, payload: dict[str, Any] | None = None) -> TrainStat
 def load_checkpoint(path: Path) -> LoadedCheckpoint:
     try:
         payload = json.loads((path / "state.json").read_text())
-        # Straight from safetensors: peft's loader would fall back to unpickling adapter_model.bin.
-        adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"))
         optimizer = load_file(str(path / "optimizer.safetensors"))
         rng = load_file(str(path / "rng.safetensors"))
         trainable_file = path / "trainable.safetensors"
-        trainable = load_file(str(trainable_file)) if trainable_file.is_file() else None
+        adapter: dict[str, torch.Tensor] = {}
+        if (path / "model").is_dir():  # peft.method=full
+            trainable: dict[str, torch.Tensor] | None = read_full_model(path / "model")
+        else:
+            # Straight from safetensors: peft's loader would fall back to unpickling
+            # adapter_model.bin.
+            adapter = load_file(str(path / "adapter" / "adapter_model.safetensors"))
+            trainable = load_file(str(trainable_file)) if trainable_file.is_file() else None
     except (OSError, ValueError, SafetensorError) as exc:
         raise UserError(f"checkpoint {path} is unreadable ({exc}); resume from an older one with "
                         "train.resume=PATH") from exc
@@ -224,13 +268,19 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
 def save(engine: Engine, state: TrainState, out: Path) -> None:
     """Checkpoint the engine's adapter, optimizer, schedule and every rank's RNG (rank 0 writes)."""
     rng_states = all_gather(rng_state(), engine.placement)
+    consolidate = getattr(engine.optimizer, "consolidate_state_dict", None)
+    if consolidate is not None:  # ZeroRedundancyOptimizer: every rank sends its shard to rank 0
+        consolidate(to=0)
+    config = engine.config
+    full = (FullModel(engine.session.tokenizer, config.output.max_shard_mb)
+            if is_full(config) else None)
 
     def write() -> None:
         path = save_checkpoint(out / "checkpoints", engine.model, engine.optimizer,
                                engine.param_names, engine.scheduler, state, rng_states,
-                               engine.config.to_yaml(), engine.config.train.keep_last,
+                               config.to_yaml(), config.train.keep_last,
                                lambda adapter: write_provenance(adapter, engine.base_record,
-                                                                {"steps": state.step}))
+                                                                {"steps": state.step}), full)
         log.info("checkpoint: %s", path)
 
     rank0_only(engine.placement, write)

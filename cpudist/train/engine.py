@@ -113,8 +113,7 @@ class Engine:
         self.loss = objective.loss_module(session.model)
         self.params = trainable_parameters(self.loss)
         self.param_names = [name for name, _ in self.params]
-        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            [p for _, p in self.params], lr=tc.lr, weight_decay=tc.weight_decay)
+        self.optimizer = make_optimizer([p for _, p in self.params], config, placement.distributed)
         step_module: nn.Module = self.loss
         if tc.ipex:
             step_module, self.optimizer = _ipex_optimize(step_module, self.optimizer,
@@ -202,6 +201,23 @@ class Engine:
         session, tc = self.session, self.config.train
         return evaluate(self.objective, self.loss, self.data.val, tc.batch_size, session.pad_id,
                         session.precision, self.placement, tc.eval_batches)
+
+
+def make_optimizer(params: list[nn.Parameter], config: Config, distributed: bool
+                   ) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; with train.zero on several ranks, its state sharded
+    across them (ZeroRedundancyOptimizer: each rank updates its share and broadcasts it)."""
+    tc = config.train
+    if not tc.zero:
+        return torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    if not distributed:
+        log.info("train.zero: one rank holds the whole optimizer state (nothing to shard)")
+        return torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    log.info("train.zero: AdamW state sharded across the ranks (ZeroRedundancyOptimizer)")
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=tc.lr,
+                                   weight_decay=tc.weight_decay)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -4,6 +4,8 @@
                       checkpoint's config.yaml holds the resolved one: micro-batch, accumulation)
   metrics.jsonl       one line per logged step (cpudist.records)
   adapter/            the final adapter (PEFT, with its base record and model card)
+  model/              instead, with peft.method=full: the trained model as a plain Hugging Face
+                      directory (config, safetensors, tokenizer)
   checkpoints/        resumable step-N directories (cpudist.train.checkpoint)
   summary.json        final figures (cpudist.records.RunSummary)
   report.html, *.png  plots (cpudist.report.plots)
@@ -68,7 +70,7 @@ def prepare_output(config: Config) -> Path:
                 "train.resume=auto, or set output.overwrite=true to start over"
             )
     if config.output.overwrite and config.train.resume is None and out.exists():
-        for name in ("checkpoints", "adapter", "metrics.jsonl", "summary.json", "tracking.json"):
+        for name in ("checkpoints", "adapter", "model", "metrics.jsonl", "summary.json", "tracking.json"):
             remove(out / name)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -100,6 +102,22 @@ def save_final_adapter(model: Any, target: Path, record: dict[str, Any] | None =
     except (OSError, SafetensorError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise UserError(f"could not write the adapter to {target}: {reason}. The same weights are "
+                        f"in the newest checkpoint under {target.parent / 'checkpoints'}") from exc
+
+
+def save_final_model(model: Any, tokenizer: Any, target: Path, max_shard_mb: int) -> None:
+    """OUTPUT/model of a peft.method=full run (a Hugging Face directory), replaced atomically; a
+    failure says where the same weights still are."""
+    from safetensors import SafetensorError
+
+    from cpudist.train.checkpoint import save_full_model
+
+    try:
+        with replacing(target) as tmp:
+            save_full_model(model, tokenizer, tmp, max_shard_mb)
+    except (OSError, SafetensorError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise UserError(f"could not write the model to {target}: {reason}. The same weights are "
                         f"in the newest checkpoint under {target.parent / 'checkpoints'}") from exc
 
 

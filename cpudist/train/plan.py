@@ -120,6 +120,8 @@ def model_parts(config: Config) -> Parts:
 def trainable_params(parts: Parts, config: Config) -> int:
     """The parameters peft.method trains (the classification head aside: a few thousand)."""
     method, h = config.peft.method, parts.hidden
+    if method == "full":
+        return total_params(parts)
     if method == "lora":
         targets = config.lora.target_modules
         shapes = parts.linear_shapes
@@ -139,6 +141,29 @@ def trainable_params(parts: Parts, config: Config) -> int:
     return virtual * 2 * h * parts.layers  # prefix_tuning: keys and values in every layer
 
 
+def total_params(parts: Parts) -> int:
+    return parts.linears + parts.embedding + parts.head + parts.other
+
+
+def full_training_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str
+                     ) -> dict[str, float]:
+    """peft.method=full, each rank's own: fp32 master weights, their gradients, AdamW's two fp32
+    moments (with train.zero a 1/ranks share: at least the node's ranks share the state), DDP's
+    gradient buckets (a second fp32 copy of the gradients) and, under bf16 autocast, the bf16 copy
+    of every linear's weight that forward casts and backward keeps."""
+    total = total_params(parts)
+    distributed = ranks_per_node > 1 or bool(config.dist.threads_per_rank)
+    shards = ranks_per_node if config.train.zero and ranks_per_node > 1 else 1
+    rank = {"weights (fp32)": total * 4 / GB, "gradients (fp32)": total * 4 / GB,
+            "AdamW moments" + (f" (1/{shards}, train.zero)" if shards > 1 else ""):
+                total * 8 / shards / GB}
+    if distributed:
+        rank["DDP gradient buckets"] = total * 4 / GB
+    if compute == "bfloat16":
+        rank["bf16 weight copies (autocast)"] = (parts.linears + parts.head) * 2 / GB
+    return rank
+
+
 def _tokens(config: Config) -> int:
     """Positions a micro-batch computes: prompt tuning and P-tuning add their virtual tokens."""
     extra = config.prompt.virtual_tokens if config.peft.method in ("prompt_tuning", "p_tuning") else 0
@@ -148,9 +173,10 @@ def _tokens(config: Config) -> int:
 def estimate(config: Config, parts: Parts, ranks_per_node: int, node_memory: tuple[float, str],
              compute: str) -> MemoryPlan:
     """The plan for config on a node of node_memory (GB, where the figure comes from)."""
-    frozen = frozen_gb(config, parts, compute)
+    full = config.peft.method == "full"
+    frozen = {} if full else frozen_gb(config, parts, compute)
     rank = rank_gb(config, parts, ranks_per_node, compute)
-    shared = config.model.share_frozen_weights or config.model.quantize != "none"
+    shared = not full and (config.model.share_frozen_weights or config.model.quantize != "none")
     node_memory_gb, source = node_memory
     plan = MemoryPlan(ranks_per_node, node_memory_gb, source, frozen, shared, rank)
     frozen_total = sum(frozen.values())
@@ -211,7 +237,10 @@ def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> 
     tokens = _tokens(config)
     rank: dict[str, float] = {}
     ddp = 4 if ranks_per_node > 1 or config.dist.threads_per_rank else 0
-    rank["adapter, gradients, AdamW"] = trainable_params(parts, config) * (16 + ddp) / GB
+    if config.peft.method == "full":
+        rank.update(full_training_gb(config, parts, ranks_per_node, compute))
+    else:
+        rank["adapter, gradients, AdamW"] = trainable_params(parts, config) * (16 + ddp) / GB
     per_h, per_i = ACTIVATION_BYTES[compute]
     per_layer_token = per_h * parts.hidden + per_i * parts.intermediate
     if config.model.gradient_checkpointing:
@@ -248,7 +277,11 @@ def advise(config: Config, parts: Parts, ranks_per_node: int, node_memory: tuple
     tries: list[tuple[str, list[str]]] = []
     if not config.model.gradient_checkpointing:
         tries.append(("model.gradient_checkpointing=true", ["model.gradient_checkpointing=true"]))
+    if config.peft.method == "full" and ranks_per_node > 1 and not config.train.zero:
+        tries.append(("train.zero=true", ["train.zero=true"]))
     for method in ("int8", "int4"):
+        if config.peft.method == "full":
+            break  # a quantized base cannot train in full
         if config.model.quantize in ("none", "int8") and config.model.quantize != method:
             tries.append((f"model.quantize={method}", [f"model.quantize={method}"]))
     batch = config.train.batch_size
@@ -300,8 +333,11 @@ def make_plan(config: Config, ranks_per_node: int) -> MemoryPlan:
 
 
 def describe(plan: MemoryPlan) -> str:
-    lines = [f"frozen weights ({'once per node, mapped' if plan.frozen_shared else 'per rank'}):"]
-    lines += [f"  {name:<34} {gb:7.2f} GB" for name, gb in plan.frozen_gb.items()]
+    if plan.frozen_gb:
+        lines = [f"frozen weights ({'once per node, mapped' if plan.frozen_shared else 'per rank'}):"]
+        lines += [f"  {name:<34} {gb:7.2f} GB" for name, gb in plan.frozen_gb.items()]
+    else:
+        lines = ["frozen weights: none (every weight trains)"]
     lines.append(f"each rank ({plan.ranks_per_node} per node):")
     lines += [f"  {name:<34} {gb:7.2f} GB" for name, gb in plan.rank_gb.items()]
     lines.append(f"peak per rank {plan.rank_peak_gb:.2f} GB; node peak {plan.node_peak_gb:.2f} GB "

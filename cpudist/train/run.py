@@ -24,6 +24,7 @@ from pathlib import Path
 from cpudist.config import Config
 from cpudist.errors import Preempted, UserError
 from cpudist.infer.generate import answer_prompts
+from cpudist.model.adapters import is_full
 from cpudist.model.quantize import QuantizedLinear
 from cpudist.objectives import Prompt
 from cpudist.records import EvalRecord, HeldOutAnswer, RunSummary, StepRecord
@@ -44,6 +45,7 @@ from cpudist.train.output import (
     print_outcome,
     resume_command,
     save_final_adapter,
+    save_final_model,
 )
 from cpudist.train.plan import check_fits, keep_global_batch, resolve_batch
 from cpudist.train.signals import StopFlag
@@ -327,10 +329,7 @@ def finish(run: Run) -> RunSummary | None:
                                    run.config.train.max_new_tokens)
     if not run.placement.is_main:
         return None
-    save_final_adapter(engine.model, run.out / "adapter", engine.base_record, {
-        "steps": state.step, "train_loss": run.last_loss if math.isfinite(run.last_loss) else None,
-        "val_loss_before": run.eval_before.get("val_loss"), "val_loss_after": after.get("val_loss")})
-    engine.objective.save_extras(run.out / "adapter")
+    saved = save_output(run, after)
     assert run.metrics is not None
     if after:
         run.metrics.write(EvalRecord(state.step, after))
@@ -345,9 +344,26 @@ def finish(run: Run) -> RunSummary | None:
 
         write_report(run.out)
     if run.trackers is not None:
-        run.trackers.finish([run.out / name for name in ("adapter", "summary.json", "report.html")],
-                            summary)
+        run.trackers.finish([saved, run.out / "summary.json", run.out / "report.html"], summary)
     return summary
+
+
+def save_output(run: Run, after: dict[str, float]) -> Path:
+    """The trained weights in OUTPUT/: the adapter (with its base record), or with
+    peft.method=full the whole model; the objective's files beside them. Returns the directory."""
+    engine, config = run.engine, run.config
+    if is_full(config):
+        target = run.out / "model"
+        save_final_model(engine.model, engine.session.tokenizer, target, config.output.max_shard_mb)
+    else:
+        target = run.out / "adapter"
+        save_final_adapter(engine.model, target, engine.base_record, {
+            "steps": run.state.step,
+            "train_loss": run.last_loss if math.isfinite(run.last_loss) else None,
+            "val_loss_before": run.eval_before.get("val_loss"),
+            "val_loss_after": after.get("val_loss")})
+    engine.objective.save_extras(target)
+    return target
 
 
 def summarize(run: Run, wall: float, after: dict[str, float], answers_after: list[str]
