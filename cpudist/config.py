@@ -109,9 +109,11 @@ class ClassificationSection(_Section):
 
 
 class DataConfig(_Section):
-    # A .jsonl/.json/.parquet file, a saved datasets directory, or a built-in corpus
-    # ("chatterbot:english", "chatterbot:chinese").
-    path: str = "chatterbot:english"
+    # A .jsonl/.json/.parquet file, a saved datasets directory, a built-in corpus
+    # ("chatterbot:english", "chatterbot:chinese"), a glob ("data/*.jsonl"), or a list of these
+    # (read in order, as one dataset). Files are read as a stream and tokenized by a pool of
+    # worker processes (cpudist.data.shards).
+    path: str | list[str] = "chatterbot:english"
     # A name in cpudist.data.formats.FORMATS: alpaca (instruction/input/output), chat (messages
     # list, or ShareGPT conversations), text (raw text, every token a label), classification
     # (text, optional text_pair, and label or a list of labels).
@@ -119,6 +121,14 @@ class DataConfig(_Section):
     # Optional separate validation file; otherwise val_fraction of `path` is held out.
     val_path: str | None = None
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    # At most this many held-out samples are evaluated (before, after and every
+    # train.eval_every), the same ones every time (drawn with train.seed); null = all of them.
+    # 2,000 costs about 20 s per evaluation for the quickstart model on 2 cores
+    # (docs/PERFORMANCE.md, "Data at scale"), while the loss estimate's noise stays small.
+    val_max_samples: int | None = Field(2000, gt=0)
+    # Processes that tokenize a file not yet cached (once per node); null = the node's physical
+    # cores. 1 tokenizes in the calling process.
+    tokenize_workers: int | None = Field(None, gt=0)
     max_length: int = Field(512, gt=1)
     max_samples: int | None = Field(None, gt=0)
     system_prompt: str | None = None
