@@ -106,11 +106,27 @@ def label_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]], add_spe
             ids += piece["input_ids"]
             labels += piece["input_ids"] if number % 2 else [IGNORE] * len(piece["input_ids"])
         return ids, labels
-    encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-    labels = [token if end > start and any(start < stop and end > begin for begin, stop in spans)
-              else IGNORE
-              for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)]
-    return list(encoded["input_ids"]), labels
+    import numpy as np
+
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is None and backend.padding is None:
+        # The Rust tokenizer itself: what tokenizer(...) returns here, without its per-call
+        # Python (a fifth of the time of a conversation's tokenization).
+        encoding = backend.encode(text, add_special_tokens=add_special_tokens)
+        ids, offsets = encoding.ids, encoding.offsets
+    else:
+        encoded = tokenizer(text, add_special_tokens=add_special_tokens,
+                            return_offsets_mapping=True)
+        ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+    if not ids:
+        return [], []
+    token_ids = np.asarray(ids, dtype=np.int64)
+    bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    start, end = bounds[:, 0], bounds[:, 1]
+    inside = np.zeros(len(ids), dtype=bool)
+    for begin, stop in spans:
+        inside |= (start < stop) & (end > begin)
+    return list(ids), np.where(inside & (end > start), token_ids, IGNORE).tolist()
 
 
 class Rows:
