@@ -108,6 +108,31 @@ class ClassificationSection(_Section):
     class_weights: Literal["none", "balanced"] = "none"
 
 
+def _check_format(value: str) -> str:
+    from cpudist.data.formats import FORMATS  # the registry: no torch, no cycle
+
+    if value not in FORMATS:
+        raise ValueError(f"unknown format; choose one of {', '.join(FORMATS)}")
+    return value
+
+
+class SourceConfig(_Section):
+    """One source of a mixture (data.sources): its files, how to read them, its share."""
+
+    # As data.path: a file, a directory, a built-in corpus, a glob or a list of these.
+    path: str | list[str]
+    # A supervised fine-tuning format of cpudist.data.formats.FORMATS (alpaca, chat, text).
+    format: str = "chat"
+    # Its share of the mixture, relative to the other sources' weights.
+    weight: float = Field(1.0, gt=0)
+    system_prompt: str | None = None
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        return _check_format(value)
+
+
 class DataConfig(_Section):
     # A .jsonl/.json/.parquet file, a saved datasets directory, a built-in corpus
     # ("chatterbot:english", "chatterbot:chinese"), a glob ("data/*.jsonl"), or a list of these
@@ -136,15 +161,16 @@ class DataConfig(_Section):
     group_by_length: bool = True
     packing: bool = False
     cache_dir: str = ".cache/data"
+    # A mixture (train.objective=sft): when given, it replaces path, format and system_prompt.
+    # Each source is tokenized (and cached) on its own; the mixture takes rows of each in
+    # proportion to the weights, drawn with train.seed, as many as the scarcest source allows
+    # without repeating a row. The log and summary.json say how many rows each source gave.
+    sources: list[SourceConfig] = Field(default_factory=list)
 
     @field_validator("format")
     @classmethod
     def _known_format(cls, value: str) -> str:
-        from cpudist.data.formats import FORMATS  # the registry: no torch, no cycle
-
-        if value not in FORMATS:
-            raise ValueError(f"unknown format; choose one of {', '.join(FORMATS)}")
-        return value
+        return _check_format(value)
 
 
 class TrainConfig(_Section):
@@ -291,6 +317,8 @@ class Config(_Section):
         from cpudist.data.formats import objectives_of  # the registry: no torch, no cycle
 
         name = self.train.objective
+        if name == "auto" and self.data.sources:
+            return "sft"  # mixtures are of supervised fine-tuning formats
         return objectives_of(self.data.format)[0] if name == "auto" else name
 
     def to_dict(self) -> dict[str, Any]:
@@ -432,6 +460,11 @@ def check_together(config: Config, source: str = "config") -> None:
     if method in PROMPT_LEARNING and config.data.packing:
         raise UserError(f"{source}: data.packing=true with peft.method={method}: the virtual tokens "
                         "belong to one sample per row; set data.packing=false")
+    for number, mix in enumerate(config.data.sources):
+        if objectives_of(mix.format) != ("sft",) or objective not in ("auto", "sft"):
+            raise UserError(f"{source}: data.sources[{number}] format={mix.format} with "
+                            f"train.objective={objective}: mixtures are for supervised "
+                            "fine-tuning (formats alpaca, chat, text)")
     if objective != "auto" and objective not in objectives_of(fmt):
         raise UserError(f"{source}: train.objective={objective} cannot train on data.format={fmt} "
                         f"(its records are for {' or '.join(objectives_of(fmt))}); use "

@@ -162,6 +162,20 @@ class Rows:
         return Rows(self.values, self.chunk[indices], self.start[indices], self.length[indices])
 
     @classmethod
+    def concat(cls, parts: Sequence[Rows]) -> Rows:
+        """The rows of each part, in order (their values shared, not copied)."""
+        import numpy as np
+
+        values: list[Any] = []
+        chunks = []
+        for part in parts:
+            chunks.append(part.chunk + len(values))
+            values += part.values
+        return cls(values, np.concatenate(chunks).astype(np.int32),
+                   np.concatenate([part.start for part in parts]),
+                   np.concatenate([part.length for part in parts]))
+
+    @classmethod
     def from_lists(cls, rows: Sequence[Sequence[int]]) -> Rows:
         import numpy as np
 
@@ -410,6 +424,37 @@ def cap_validation(val: SplitT, limit: int | None, seed: int) -> SplitT:
     return val.subset(sorted(random.Random(seed + 1).sample(range(len(val)), limit)))
 
 
+def mix_sources(config: DataConfig, tokenizer: Any, seed: int
+                ) -> tuple[TokenizedSplit, dict[str, Any]]:
+    """data.sources tokenized one by one (each with its format and system prompt, each cached)
+    and mixed in proportion to their weights: as many rows as the scarcest source allows without
+    repeating one, each source's drawn with the seed. (mixture, counts; "sources": rows each.)"""
+    loaded = []
+    for source in config.sources:
+        settings = config.model_copy(update={"path": source.path, "format": source.format,
+                                             "system_prompt": source.system_prompt,
+                                             "sources": []})
+        paths = resolve_data_paths(source.path, config.cache_dir)
+        loaded.append((", ".join(map(str, paths)), *load_tokenized(paths, tokenizer, settings)))
+    total_weight = sum(source.weight for source in config.sources)
+    shares = [source.weight / total_weight for source in config.sources]
+    size = min(len(split) / share for (_, split, _), share in zip(loaded, shares, strict=True))
+    parts, counts, stats = [], {}, {}
+    for number, ((name, split, source_stats), share) in enumerate(
+            zip(loaded, shares, strict=True)):
+        take = min(len(split), max(1, int(size * share)))
+        chosen = sorted(random.Random(seed * 1_000_003 + number).sample(range(len(split)), take))
+        parts.append(split.subset(chosen))
+        counts[name] = counts.get(name, 0) + take
+        log.info("data source %d (%s, weight %g): %s of %s samples", number, name,
+                 config.sources[number].weight, f"{take:,}", f"{len(split):,}")
+        for key, value in source_stats.items():
+            stats[key] = stats.get(key, 0) + value
+    mixture = TokenizedSplit(Rows.concat([part.input_ids for part in parts]),
+                             Rows.concat([part.labels for part in parts]))
+    return mixture, {**stats, "sources": counts}
+
+
 def build_datasets(config: DataConfig, tokenizer: Any, seed: int,
                    load: Callable[[list[Path], Any, DataConfig], tuple[Any, dict[str, int]]]
                    | None = None) -> tuple[Any, Any, dict[str, Any]]:
@@ -417,13 +462,19 @@ def build_datasets(config: DataConfig, tokenizer: Any, seed: int,
     tokenized by `load` (default: for supervised fine-tuning); the validation split capped at
     data.val_max_samples."""
     load = load or load_tokenized
-    paths = resolve_data_paths(config.path, config.cache_dir)
-    data, stats = load(paths, tokenizer, config)
+    if config.sources:
+        data, stats = mix_sources(config, tokenizer, seed)
+        paths = [Path(name) for name in stats["sources"]]
+    else:
+        paths = resolve_data_paths(config.path, config.cache_dir)
+        data, stats = load(paths, tokenizer, config)
+        stats["sources"] = {", ".join(map(str, paths)): len(data)}
     if config.val_path:
         train = data
         val, val_stats = load(resolve_data_paths(config.val_path, config.cache_dir), tokenizer,
                               config)
-        stats = {k: stats[k] + val_stats.get(k, 0) for k in stats}
+        stats = {k: v + val_stats.get(k, 0) if isinstance(v, int) else v
+                 for k, v in stats.items()}
     else:
         train, val = split_validation(data, config.val_fraction, seed)
     if len(train) == 0:

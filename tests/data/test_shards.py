@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from cpudist.config import DataConfig
+from cpudist.config import DataConfig, load_config
 from cpudist.data import shards
 from cpudist.data.read import resolve_data_paths
 from cpudist.data.tokenize import build_datasets, load_tokenized
@@ -147,3 +147,28 @@ def test_a_network_filesystem_is_told_apart(tmp_path: Path) -> None:
     assert shared_filesystem(Path("/shared/cache/data"), str(mounts)) == "nfs4"
     assert shared_filesystem(Path("/sharedx/cache"), str(mounts)) is None
     assert shared_filesystem(Path("/home/me"), str(mounts)) is None
+
+
+def test_a_mixture_takes_each_source_by_its_weight(tokenizer, tmp_path: Path,  # noqa: ANN001
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    chat = write_jsonl(tmp_path / "chat.jsonl", rows(40))
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [
+        {"instruction": f"Say {i}", "output": f"{i}."} for i in range(40)])
+
+    def mixture(seed: int) -> tuple[list[str], dict]:
+        config = _config(tmp_path, "cache", val_fraction=0.0, sources=[
+            {"path": str(chat), "format": "chat", "weight": 3.0, "system_prompt": "Be brief."},
+            {"path": str(alpaca), "format": "alpaca", "weight": 1.0}])
+        train, _, stats = build_datasets(config, tokenizer, seed)
+        return [tokenizer.decode(ids) for ids in train.input_ids], stats
+
+    with caplog.at_level(logging.INFO, logger="cpudist"):
+        texts, stats = mixture(seed=1)
+    # 40 chat rows are 3/4 of a mixture of 53: 13 alpaca rows of 40 join them.
+    assert stats["sources"] == {str(chat): 40, str(alpaca): 13}
+    assert "data source 1 (" in caplog.text and "13 of 40 samples" in caplog.text
+    assert sum("Be brief." in text for text in texts) == 40
+    assert sum("### Instruction" in text or "Say " in text for text in texts) == 13
+    assert mixture(seed=1)[0] == texts and mixture(seed=2)[0] != texts
+    with pytest.raises(UserError, match=r"data.sources\[0\] format=preference"):
+        load_config(None, [f"data.sources=[{{path: {chat}, format: preference}}]"])
