@@ -7,6 +7,11 @@ The first writes the file; the second tokenizes it (not cached: a fresh cache di
 time) with 1, then 2 worker processes, for the config's model and data settings (default
 configs/quickstart.yaml), and prints rows/s and the ratio to the first.
 
+    python -m cpudist.bench.chat_data --time-run -- cpudist train ...
+
+runs a command and prints the seconds from its start to its first training step (the first
+"step 1/" line), to its end, and the largest peak RSS of it and its children.
+
 Conversations of one to three user/assistant turns of words drawn from a fixed vocabulary,
 about 750 bytes a row (2,000,000 rows: about 1.5 GB), the same file for the same seed. --bad-line
 writes line N cut short (malformed JSON), to time how soon a bad row is reported.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 WORDS = (  # noqa: SIM905 (one readable block of words)"the of and to in is that for it as was with be by on not he this are or his from at "
@@ -76,8 +82,33 @@ def time_tokenize(path: Path, workers: list[int], config_path: str | None,
               f"{rate:,.0f} rows/s ({rate / first:.2f}x)", flush=True)
 
 
+def time_run(command: list[str]) -> None:
+    """Seconds to the first training step and to the end, and the peak RSS, of a command."""
+    import resource
+    import subprocess
+    import time
+
+    started = time.perf_counter()
+    first_step = None
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, bufsize=1) as child:
+        assert child.stdout is not None
+        for line in child.stdout:
+            sys.stdout.write(line)
+            if first_step is None and line.lstrip().startswith("step 1/"):
+                first_step = time.perf_counter() - started
+    total = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6
+    step = "none" if first_step is None else f"{first_step:.1f} s"
+    print(f"time-run: exit {child.returncode}, first step {step}, end {total:.1f} s, "
+          f"peak RSS {peak:.2f} GB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    if sys.argv[1:2] == ["--time-run"]:
+        time_run(sys.argv[3:] if sys.argv[2:3] == ["--"] else sys.argv[2:])
+        return
     parser.add_argument("out", type=Path)
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--seed", type=int, default=0)
