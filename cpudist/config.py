@@ -110,10 +110,37 @@ class ClassificationSection(_Section):
     class_weights: Literal["none", "balanced"] = "none"
 
 
+def _check_format(value: str) -> str:
+    from cpudist.data.formats import FORMATS  # the registry: no torch, no cycle
+
+    if value not in FORMATS:
+        raise ValueError(f"unknown format; choose one of {', '.join(FORMATS)}")
+    return value
+
+
+class SourceConfig(_Section):
+    """One source of a mixture (data.sources): its files, how to read them, its share."""
+
+    # As data.path: a file, a directory, a built-in corpus, a glob or a list of these.
+    path: str | list[str]
+    # A supervised fine-tuning format of cpudist.data.formats.FORMATS (alpaca, chat, text).
+    format: str = "chat"
+    # Its share of the mixture, relative to the other sources' weights.
+    weight: float = Field(1.0, gt=0)
+    system_prompt: str | None = None
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        return _check_format(value)
+
+
 class DataConfig(_Section):
-    # A .jsonl/.json/.parquet file, a saved datasets directory, or a built-in corpus
-    # ("chatterbot:english", "chatterbot:chinese").
-    path: str = "chatterbot:english"
+    # A .jsonl/.json/.parquet file, a saved datasets directory, a built-in corpus
+    # ("chatterbot:english", "chatterbot:chinese"), a glob ("data/*.jsonl"), or a list of these
+    # (read in order, as one dataset). Files are read as a stream and tokenized by a pool of
+    # worker processes (cpudist.data.shards).
+    path: str | list[str] = "chatterbot:english"
     # A name in cpudist.data.formats.FORMATS: alpaca (instruction/input/output), chat (messages
     # list, or ShareGPT conversations), text (raw text, every token a label), classification
     # (text, optional text_pair, and label or a list of labels).
@@ -121,6 +148,15 @@ class DataConfig(_Section):
     # Optional separate validation file; otherwise val_fraction of `path` is held out.
     val_path: str | None = None
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    # At most this many held-out samples are evaluated (before, after and every
+    # train.eval_every), the same ones every time (drawn with train.seed); null = all of them.
+    # Measured: 2,000 cost about 310 s per evaluation for the quickstart model on 2 cores
+    # (0.155 s a sample); 256 keeps the two evaluations of a 200-step quickstart run (4.4 s a
+    # step) near 9 % of it (docs/PERFORMANCE.md, "Data at scale").
+    val_max_samples: int | None = Field(256, gt=0)
+    # Processes that tokenize a file not yet cached (once per node); null = the node's physical
+    # cores. 1 tokenizes in the calling process.
+    tokenize_workers: int | None = Field(None, gt=0)
     max_length: int = Field(512, gt=1)
     max_samples: int | None = Field(None, gt=0)
     system_prompt: str | None = None
@@ -128,15 +164,16 @@ class DataConfig(_Section):
     group_by_length: bool = True
     packing: bool = False
     cache_dir: str = ".cache/data"
+    # A mixture (train.objective=sft): when given, it replaces path, format and system_prompt.
+    # Each source is tokenized (and cached) on its own; the mixture takes rows of each in
+    # proportion to the weights, drawn with train.seed, as many as the scarcest source allows
+    # without repeating a row. The log and summary.json say how many rows each source gave.
+    sources: list[SourceConfig] = Field(default_factory=list)
 
     @field_validator("format")
     @classmethod
     def _known_format(cls, value: str) -> str:
-        from cpudist.data.formats import FORMATS  # the registry: no torch, no cycle
-
-        if value not in FORMATS:
-            raise ValueError(f"unknown format; choose one of {', '.join(FORMATS)}")
-        return value
+        return _check_format(value)
 
 
 class TrainConfig(_Section):
@@ -292,6 +329,8 @@ class Config(_Section):
         from cpudist.data.formats import objectives_of  # the registry: no torch, no cycle
 
         name = self.train.objective
+        if name == "auto" and self.data.sources:
+            return "sft"  # mixtures are of supervised fine-tuning formats
         return objectives_of(self.data.format)[0] if name == "auto" else name
 
     def to_dict(self) -> dict[str, Any]:
@@ -444,6 +483,11 @@ def check_together(config: Config, source: str = "config") -> None:
                         "belong to one sample per row; set data.packing=false")
     if method == "full":
         _check_full(config, source)
+    for number, mix in enumerate(config.data.sources):
+        if objectives_of(mix.format) != ("sft",) or objective not in ("auto", "sft"):
+            raise UserError(f"{source}: data.sources[{number}] format={mix.format} with "
+                            f"train.objective={objective}: mixtures are for supervised "
+                            "fine-tuning (formats alpaca, chat, text)")
     if objective != "auto" and objective not in objectives_of(fmt):
         raise UserError(f"{source}: train.objective={objective} cannot train on data.format={fmt} "
                         f"(its records are for {' or '.join(objectives_of(fmt))}); use "

@@ -13,19 +13,25 @@ import fcntl
 import os
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 TMP_MARK = ".tmp-"
 
 
 @contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock shared by every process on the node (ranks convert/tokenize once)."""
+def file_lock(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """An exclusive lock shared by every process on the node (ranks convert/tokenize once).
+    `on_wait` is called when another process holds it, before waiting (to say so)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -94,3 +100,29 @@ def fsync_tree(path: Path) -> None:
             with open(file, "rb+") as handle:
                 os.fsync(handle.fileno())
     fsync_dir(path)
+
+
+# Filesystems that several machines mount: a cache there is written once for the cluster.
+NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs",
+                       "cephfs", "ceph", "glusterfs", "fuse.glusterfs", "panfs", "9p", "wekafs",
+                       "fuse.sshfs", "afs")
+
+
+def shared_filesystem(path: Path, mounts: str = "/proc/mounts") -> str | None:
+    """The type of the network filesystem holding `path` (nfs4, lustre, ...), or None for a
+    local one (or when the mount table cannot be read)."""
+    target = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind if kind in NETWORK_FILESYSTEMS else None

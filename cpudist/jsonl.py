@@ -34,12 +34,17 @@ class Line(NamedTuple):
     value: Any  # the parsed JSON
 
 
-def iter_jsonl(path: Path, advice: str | None = None) -> Iterator[Line]:
+def iter_jsonl(path: Path, advice: str | None = None, start: int = 0, stop: int | None = None,
+               first_line: int = 1) -> Iterator[Line]:
     """Every non-blank line of `path`, parsed. `advice` ends the error message of a bad line
-    (default: how to fix a hand-made file)."""
-    offset = 0
+    (default: how to fix a hand-made file). A shard of the file: the lines that begin in the byte
+    range [start, stop), `start` being the beginning of line number `first_line`."""
+    offset = start
     with open(path, "rb") as handle:  # bytes, so that a bad encoding is reported by line
-        for number, raw in enumerate(handle, start=1):
+        handle.seek(start)
+        for number, raw in enumerate(handle, start=first_line):
+            if stop is not None and offset >= stop:
+                break
             start, offset = offset, offset + len(raw)
             try:
                 text = raw.decode("utf-8")

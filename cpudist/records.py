@@ -121,6 +121,39 @@ def metrics_line(data: dict[str, Any]) -> MetricsLine | None:
 
 
 @dataclass
+class TimeSplit:
+    """Where a run's wall time went, from `train` starting in this process to its summary:
+    setting up (processes, model, OUTPUT/), the data (reading and tokenizing, or the cache),
+    validation (every evaluation), training steps, and the rest (checkpoints, held-out answers,
+    the adapter). Goodput is the share of the wall time spent in training steps."""
+
+    setup_s: float = 0.0
+    data_s: float = 0.0
+    data_cached: bool = False  # the tokenized data came from the cache
+    eval_s: float = 0.0
+    train_s: float = 0.0
+    other_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def goodput(self) -> float:
+        return self.train_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def describe(self) -> str:
+        return (f"setup {self.setup_s:.0f} s, data {self.data_s:.0f} s "
+                f"({'cached' if self.data_cached else 'read and tokenized'}), validation "
+                f"{self.eval_s:.0f} s, training {self.train_s:.0f} s, other {self.other_s:.0f} s "
+                f"of {self.wall_s:.0f} s: goodput {self.goodput:.0%}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "goodput": self.goodput}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TimeSplit:
+        return cls(**_known(cls, data))
+
+
+@dataclass
 class HeldOutAnswer:
     """A held-out prompt answered before and after training."""
 
@@ -153,10 +186,14 @@ class RunSummary:
     eval_before: dict[str, float] = field(default_factory=dict)
     eval_after: dict[str, float] = field(default_factory=dict)
     samples: list[HeldOutAnswer] = field(default_factory=list)
+    time: TimeSplit | None = None  # absent in summaries of older runs
+    # Rows each data source gave (data.sources, or each file of data.path)
+    sources: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         fields = asdict(self)
         before, after = fields.pop("eval_before"), fields.pop("eval_after")
+        fields["time"] = None if self.time is None else self.time.to_json()
         return {**fields, **{f"{k}_before": v for k, v in before.items()},
                 **{f"{k}_after": v for k, v in after.items()}}
 
@@ -167,10 +204,12 @@ class RunSummary:
         after = {k.removesuffix("_after"): float(v) for k, v in data.items()
                  if k.endswith("_after") and isinstance(v, (int, float))}
         samples = [HeldOutAnswer(**_known(HeldOutAnswer, s)) for s in data.get("samples") or []]
+        time = data.get("time")
         return cls(**{"world_size": 1, "threads_per_rank": 0, "dtype": "", "communication": "",
                       "global_batch": 0, "cpu": "", "launcher": "",
                       **_known(cls, data), "eval_before": before, "eval_after": after,
-                      "samples": samples})
+                      "samples": samples,
+                      "time": TimeSplit.from_json(time) if isinstance(time, dict) else None})
 
     def write(self, path: Path) -> None:
         from cpudist.files import write_text

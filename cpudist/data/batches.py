@@ -130,6 +130,9 @@ class GlobalBatches:
         self.group_by_length = group_by_length
         self.global_micro = batch_size * world
         self.steps_per_epoch = len(data) // (self.global_micro * grad_accum)
+        # Asked at every step: a split of millions of rows takes seconds to order.
+        self._lengths: list[int] | None = None
+        self._order: tuple[int, list[list[int]]] | None = None
         if self.steps_per_epoch == 0:
             raise UserError(
                 f"the training split has {len(data)} samples, fewer than one global batch "
@@ -144,6 +147,8 @@ class GlobalBatches:
         grad_accum x world), not on how it is split: the same run with train.global_batch keeps
         its steps whatever micro-batch or world size resolves it.
         """
+        if self._order is not None and self._order[0] == epoch:
+            return self._order[1]
         rng = random.Random(self.seed * 100_003 + epoch)
         order = list(range(len(self.data)))
         rng.shuffle(order)
@@ -153,7 +158,7 @@ class GlobalBatches:
         if self.group_by_length:
             # Sort within windows of 64 steps by length, then shuffle the steps: similar lengths
             # share a micro-batch (little padding) while the order of steps stays random.
-            lengths = self.data.lengths()
+            lengths = self.lengths()
             window = 64 * step_rows
             grouped: list[int] = []
             for start in range(0, usable, window):
@@ -161,7 +166,14 @@ class GlobalBatches:
             steps = [grouped[i : i + step_rows] for i in range(0, usable, step_rows)]
             rng.shuffle(steps)
             order = [i for step in steps for i in step]
-        return [order[i : i + self.global_micro] for i in range(0, usable, self.global_micro)]
+        batches = [order[i : i + self.global_micro] for i in range(0, usable, self.global_micro)]
+        self._order = (epoch, batches)
+        return batches
+
+    def lengths(self) -> list[int]:
+        if self._lengths is None:
+            self._lengths = self.data.lengths()
+        return self._lengths
 
     def step_batches(self, epoch: int, step_in_epoch: int, rank: int) -> list[list[int]]:
         """This rank's sample indices for each micro-step of one optimizer step."""
@@ -169,7 +181,7 @@ class GlobalBatches:
 
     def step_shares(self, epoch: int, step_in_epoch: int) -> list[list[list[int]]]:
         """Every rank's samples of each micro-step of one optimizer step: [micro][rank]."""
-        lengths = self.data.lengths()
+        lengths = self.lengths()
         return [balance(batch, lengths, self.world)
                 for batch in self.global_step_batches(epoch, step_in_epoch)]
 

@@ -54,14 +54,13 @@ def tokenize_text(tokenizer: Any, text: str, pair: str | None, max_length: int
     return list(cut["input_ids"]), True
 
 
-def _labelled_columns(records: list[dict[str, Any]], tokenizer: Any, config: DataConfig,
-                      source: str) -> tuple[dict[str, list[Any]], dict[str, int]]:
+def _labelled_columns(rows: list[tuple[str, Any]], tokenizer: Any, config: DataConfig
+                      ) -> tuple[dict[str, list[Any]], dict[str, int]]:
     input_ids: list[list[int]] = []
     labels: list[list[str]] = []
     origins: list[str] = []
     truncated = multi = 0
-    for number, row in enumerate(records, start=1):
-        where = where_of(source, number)
+    for where, row in rows:
         if not isinstance(row, dict):
             raise UserError(f"{where}: each record must be an object")
         record = classification(row, where)
@@ -72,15 +71,17 @@ def _labelled_columns(records: list[dict[str, Any]], tokenizer: Any, config: Dat
         labels.append(list(record.labels))
         origins.append(where)
     columns = {"input_ids": input_ids, "labels": labels, "origin": origins}
-    return columns, {"samples": len(records), "truncated": truncated, "multi_label_rows": multi}
+    return columns, {"samples": len(rows), "truncated": truncated, "multi_label_rows": multi}
 
 
-def load_labelled(path: Path, tokenizer: Any, config: DataConfig) -> tuple[LabelledSplit, dict]:
-    """A classification file tokenized once per node and cached (cpudist.data.tokenize.load_columns).
-    It is multi-label when any row gives 'labels' (a list)."""
-    table, stats = load_columns(path, tokenizer, config, "classification", _labelled_columns)
-    return LabelledSplit(table["input_ids"], table["labels"], table["origin"],
-                         stats["multi_label_rows"] > 0), stats
+def load_labelled(paths: Path | list[Path], tokenizer: Any, config: DataConfig
+                  ) -> tuple[LabelledSplit, dict]:
+    """Classification files tokenized once per node and cached
+    (cpudist.data.tokenize.load_columns). Multi-label when any row gives 'labels' (a list)."""
+    table, stats = load_columns(paths, tokenizer, config, "classification", _labelled_columns,
+                                lambda counts: "no row")  # every row is kept: never asked
+    return LabelledSplit(table["input_ids"].to_pylist(), table["labels"].to_pylist(),
+                         table["origin"].to_pylist(), stats["multi_label_rows"] > 0), stats
 
 
 def label_vocabulary(given: list[str] | None, *splits: LabelledSplit) -> tuple[str, ...]:

@@ -96,14 +96,13 @@ def truncate_pair(prompt: list[int], chosen: list[int], rejected: list[int], max
     return prompt, chosen[:room], rejected[:room]
 
 
-def pair_columns(records: list[dict[str, Any]], tokenizer: Any, config: DataConfig, source: str
+def pair_columns(rows: list[tuple[str, Any]], tokenizer: Any, config: DataConfig
                  ) -> tuple[dict[str, list[Any]], dict[str, int]]:
     """load_columns' row tokenizer for preference pairs: columns prompt, chosen, rejected."""
     columns: dict[str, list[Any]] = {"prompt": [], "chosen": [], "rejected": []}
-    stats = {"samples": len(records), "truncated": 0, "dropped_long_prompt": 0,
+    stats = {"samples": len(rows), "truncated": 0, "dropped_long_prompt": 0,
              "dropped_identical": 0}
-    for number, row in enumerate(records, start=1):
-        where = f"{source}:{number}" if source.endswith(".jsonl") else f"{source} (record {number})"
+    for where, row in rows:
         if not isinstance(row, dict):
             raise UserError(f"{where}: each record must be an object")
         pair = to_sample(row, config.format, where, None)
@@ -128,14 +127,20 @@ def pair_columns(records: list[dict[str, Any]], tokenizer: Any, config: DataConf
             continue
         for key, ids in zip(("prompt", "chosen", "rejected"), cut, strict=True):
             columns[key].append(ids)
-    if not columns["prompt"]:
-        raise UserError(f"{source}: no usable pair ({stats['dropped_long_prompt']} prompts fill "
-                        f"data.max_length={config.max_length}, {stats['dropped_identical']} pairs "
-                        "have identical answers); raise data.max_length or fix the data")
     return columns, stats
 
 
-def load_pairs(path: Path, tokenizer: Any, config: DataConfig) -> tuple[PreferenceSplit, dict]:
-    """A preference file tokenized (cached per node, as SFT's rows)."""
-    table, stats = load_columns(path, tokenizer, config, "preference", pair_columns)
-    return PreferenceSplit(table["prompt"], table["chosen"], table["rejected"]), stats
+def _no_pairs(stats: dict[str, int], source: str, max_length: int) -> str:
+    return (f"{source}: no usable pair ({stats['dropped_long_prompt']} prompts fill "
+            f"data.max_length={max_length}, {stats['dropped_identical']} pairs "
+            "have identical answers); raise data.max_length or fix the data")
+
+
+def load_pairs(paths: Path | list[Path], tokenizer: Any, config: DataConfig
+               ) -> tuple[PreferenceSplit, dict]:
+    """Preference files tokenized (cached per node, as SFT's rows)."""
+    first = paths if isinstance(paths, Path) else paths[0]
+    table, stats = load_columns(paths, tokenizer, config, "preference", pair_columns,
+                                lambda counts: _no_pairs(counts, str(first), config.max_length))
+    return PreferenceSplit(table["prompt"].to_pylist(), table["chosen"].to_pylist(),
+                           table["rejected"].to_pylist()), stats

@@ -8,13 +8,13 @@ from typing import Any
 
 from cpudist.errors import UserError
 from cpudist.files import file_lock, replacing
-from cpudist.jsonl import read_jsonl
 
 BUILTIN_CORPORA = {"chatterbot:english": "english", "chatterbot:chinese": "chinese"}
 # The corpus's questions labelled by the topic file they come from (data.format=classification).
 BUILTIN_TOPICS = {"chatterbot-topics:english": "english", "chatterbot-topics:chinese": "chinese"}
 # Preference pairs made from a chatterbot corpus (data.format=preference): see _chatterbot_pairs.
 BUILTIN_PAIRS = {"chatterbot-pairs:english": "english", "chatterbot-pairs:chinese": "chinese"}
+BUILTIN_ALL = {**BUILTIN_CORPORA, **BUILTIN_TOPICS, **BUILTIN_PAIRS}
 
 
 def _chatterbot_folder(language: str) -> Path:
@@ -123,71 +123,28 @@ def resolve_data_path(path: str, cache_dir: str) -> Path:
     return resolved
 
 
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
-    """Rows of a parquet file; a damaged one (cut short, not parquet, corrupt pages) is a one-line
-    UserError naming it."""
-    import datasets
-    import pyarrow
-    import pyarrow.parquet as pq
-    from datasets.exceptions import DatasetGenerationError
+def resolve_data_paths(path: str | list[str], cache_dir: str) -> list[Path]:
+    """The files of data.path: one, a built-in corpus, a glob (data/*.jsonl, sorted), or a list
+    of these, in order."""
+    import glob
 
-    def damaged(exc: BaseException) -> bool:
-        # pyarrow's own errors; its OSErrors (e.g. corrupt compressed data) carry no errno.
-        return isinstance(exc, pyarrow.ArrowException) or (
-            isinstance(exc, OSError) and exc.errno is None)
-
-    def refuse(exc: BaseException) -> UserError:
-        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return UserError(f"{path}: not a readable parquet file ({why}); copy or export it again")
-
-    try:
-        # The footer first: datasets logs an error line of its own for a bad one.
-        pq.read_metadata(path)
-    except OSError as exc:
-        if damaged(exc):
-            raise refuse(exc) from None
-        raise UserError(f"{path}: cannot read it ({exc.strerror})") from None
-    except pyarrow.ArrowException as exc:
-        raise refuse(exc) from None
-    try:
-        return list(datasets.Dataset.from_parquet(str(path)))
-    except (pyarrow.ArrowException, OSError, DatasetGenerationError) as exc:
-        cause = exc.__cause__ if isinstance(exc, DatasetGenerationError) else exc
-        if cause is None or not damaged(cause):
-            raise
-        raise refuse(cause) from None
+    paths: list[Path] = []
+    for item in [path] if isinstance(path, str) else path:
+        if any(char in item for char in "*?[") and item not in BUILTIN_ALL:
+            matches = sorted(glob.glob(str(Path(item).expanduser())))
+            if not matches:
+                raise UserError(f"data.path {item}: no file matches that pattern")
+            paths += [Path(match) for match in matches]
+        else:
+            paths.append(resolve_data_path(item, cache_dir))
+    if not paths:
+        raise UserError("data.path is an empty list; give at least one file")
+    return paths
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """Rows of a .jsonl / .json / .parquet file or a saved datasets directory."""
-    import datasets
+    """Rows of a .jsonl / .json / .parquet file or a saved datasets directory, all in memory (for
+    small files such as `cpudist predict`'s; training reads them as a stream: cpudist.data.shards)."""
+    from cpudist.data.shards import plan_shards, shard_rows
 
-    if path.is_dir():
-        try:
-            loaded = datasets.load_from_disk(str(path))
-        except (FileNotFoundError, ValueError) as exc:
-            raise UserError(f"{path}: not a saved datasets directory ({exc})") from exc
-        if isinstance(loaded, datasets.DatasetDict):
-            loaded = loaded["train"] if "train" in loaded else next(iter(loaded.values()))
-        return list(loaded)
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        return read_jsonl(path)
-    if suffix == ".json":
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise UserError(f"{path}: not UTF-8 text; re-encode the file as UTF-8") from None
-        try:
-            loaded = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg})") from None
-        if isinstance(loaded, dict) and "data" in loaded:
-            loaded = loaded["data"]
-        if not isinstance(loaded, list):
-            raise UserError(f"{path}: a .json dataset must be a list of objects (or use .jsonl)")
-        return loaded
-    if suffix == ".parquet":
-        return _read_parquet(path)
-    raise UserError(f"{path}: unsupported data file type '{suffix}'; use .jsonl, .json, .parquet "
-                    "or a saved datasets directory")
+    return [row for shard in plan_shards([path], 1) for _, row in shard_rows(shard)]

@@ -26,11 +26,11 @@ from cpudist.records import CLASSIFICATION_FILE, ClassificationReport
 
 
 def _data_path(session: Session) -> Path:
-    from cpudist.data.read import resolve_data_path
+    from cpudist.data.read import resolve_data_paths
 
     data_config = session.config.data
     try:
-        return resolve_data_path(data_config.path, data_config.cache_dir)
+        return resolve_data_paths(data_config.path, data_config.cache_dir)[0]
     except UserError as exc:
         raise UserError(str(exc).replace("(data.path)", "(--data)")) from exc
 

@@ -50,17 +50,18 @@ def evaluate_file(session: Session, limit: int | None = None
                   ) -> DataEvalResult | PreferenceEvalResult:
     """Loss, perplexity and token accuracy of the session's model on data.path (all of it: the
     validation split of a run is its own file here); preference pairs: evaluate_pairs."""
-    from cpudist.data.read import resolve_data_path
+    from cpudist.data.read import resolve_data_paths
     from cpudist.data.tokenize import load_tokenized
 
     data_config = session.config.data
     try:
-        path = resolve_data_path(data_config.path, data_config.cache_dir)
+        paths = resolve_data_paths(data_config.path, data_config.cache_dir)
     except UserError as exc:
         raise UserError(str(exc).replace("(data.path)", "(--data)")) from exc
+    path = paths[0]
     if data_config.format == "preference":
         return evaluate_pairs(session, path, limit)
-    data, stats = load_tokenized(path, session.tokenizer, data_config)
+    data, stats = load_tokenized(paths, session.tokenizer, data_config)
     objective = SFT(session.config)
     loss = objective.loss_module(session.model)
     assert isinstance(loss, CausalLMLoss)
@@ -73,7 +74,7 @@ def evaluate_file(session: Session, limit: int | None = None
         loss=figures["val_loss"], perplexity=figures["val_ppl"],
         token_accuracy=scorer.correct / scorer.counted, label_tokens=scorer.counted,
         samples=len(data), truncated=stats["truncated"], dropped=stats["dropped_no_labels"],
-        dtype=session.precision.describe(), data=str(path))
+        dtype=session.precision.describe(), data=", ".join(map(str, paths)))
 
 
 class PairPreferences(nn.Module):

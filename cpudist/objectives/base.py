@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -67,6 +67,9 @@ class Datasets:
     train: Any  # a Split the objective batches
     val: Any
     description: str  # for the log: where the samples come from, and how many
+    # The loader's counts (cpudist.data.tokenize.build_datasets: "cache_hit", "sources", ...)
+    counts: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0  # reading and tokenizing, or reading the cache (set by the engine)
 
 
 @dataclass(frozen=True)

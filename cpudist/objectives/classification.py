@@ -205,7 +205,7 @@ class Classification(Objective):
             f"{stats['source']} -> {stats['train']} train / {stats['val']} validation rows, "
             f"{kind}, {len(self.labels)} labels (the largest holds {largest:.1%} of training "
             f"rows); {stats['truncated']} of {stats['samples']} truncated to "
-            f"{config.data.max_length} tokens"))
+            f"{config.data.max_length} tokens"), counts=stats)
 
     def set_labels(self, labels: tuple[str, ...], multi_label: bool) -> None:
         self.labels, self.multi_label = labels, multi_label

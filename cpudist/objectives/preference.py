@@ -188,7 +188,7 @@ class PreferenceObjective(Objective):
             f"{stats['truncated']} of {stats['samples']} truncated to {config.data.max_length} "
             "tokens per sequence (the prompt's end, the answers' starts kept); dropped: "
             f"{stats['dropped_long_prompt']} with a prompt filling data.max_length, "
-            f"{stats['dropped_identical']} with identical answers"))
+            f"{stats['dropped_identical']} with identical answers"), counts=stats)
 
     def loss_module(self, model: nn.Module) -> nn.Module:
         return PairLoss(model, self.config, self.name)

@@ -26,7 +26,7 @@ class SFT(Objective):
             f"{stats['truncated']} of {stats['samples']} truncated to {config.data.max_length} "
             f"tokens; {stats['dropped_no_labels']} dropped (no answer token left)"
             + (f"; {rewritten} conversations train on their last answer only (the chat template "
-               "rewrites earlier turns)" if rewritten else "")))
+               "rewrites earlier turns)" if rewritten else "")), counts=stats)
 
     def loss_module(self, model: nn.Module) -> nn.Module:
         return CausalLMLoss(model, self.config.train.loss_chunk_size)

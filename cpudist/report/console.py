@@ -48,6 +48,36 @@ class Progress:
             self.bar.close()
 
 
+class RowProgress:
+    """Work before training counted in rows (reading and tokenizing a dataset): a log line with
+    rows done, rows/s and an ETA at most every `every` seconds, and one when it ends. Lines go
+    through the "cpudist" logger, so only rank 0 prints them (other ranks log warnings only)."""
+
+    def __init__(self, what: str, total: int, every: float = 10.0) -> None:
+        self.what = what
+        self.total = total  # an estimate (lines of a file); 0 when unknown
+        self.every = every
+        self.started = self.last = time.perf_counter()
+
+    def update(self, done: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        rate = done / max(now - self.started, 1e-9)
+        left = max(self.total - done, 0)
+        eta = f", eta {_duration(left / rate)}" if self.total and rate > 0 else ""
+        of = f" of ~{self.total:,}" if self.total else ""
+        log.info("%s: %s%s rows, %.0f rows/s%s", self.what, f"{done:,}", of, rate, eta)
+
+    def finish(self, done: int) -> float:
+        """Log the total; returns the seconds it took."""
+        seconds = time.perf_counter() - self.started
+        log.info("%s: %s rows in %.1f s (%.0f rows/s)", self.what, f"{done:,}", seconds,
+                 done / max(seconds, 1e-9))
+        return seconds
+
+
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

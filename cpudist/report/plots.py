@@ -263,7 +263,18 @@ def _summary_tables(summary: RunSummary | None, records: list[MetricsLine]) -> l
         ("threads per rank", summary.threads_per_rank), ("communication", summary.communication),
         ("launcher", summary.launcher), ("global batch (samples)", summary.global_batch),
     ]
-    return ["<h2>Final figures</h2>", _table(figures), "<h2>Environment</h2>", _table(environment)]
+    parts = ["<h2>Final figures</h2>", _table(figures)]
+    if summary.time is not None:
+        t = summary.time
+        parts += ["<h2>Where the time went</h2>", _table([
+            ("setup (s)", t.setup_s),
+            (f"data (s, {'cached' if t.data_cached else 'read and tokenized'})", t.data_s),
+            ("validation (s)", t.eval_s), ("training steps (s)", t.train_s),
+            ("other: checkpoints, held-out answers, adapter (s)", t.other_s),
+            ("wall (s)", t.wall_s), ("goodput (training / wall)", f"{t.goodput:.1%}")])]
+    if summary.sources:
+        parts += ["<h2>Rows per data source</h2>", _table(list(summary.sources.items()))]
+    return [*parts, "<h2>Environment</h2>", _table(environment)]
 
 
 def render_html(records: list[MetricsLine], summary: RunSummary | None, config_text: str,

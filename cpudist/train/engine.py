@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import random
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,7 +82,10 @@ def build_engine(config: Config, process: Process, data: DataSource | None = Non
     def load() -> tuple[nn.Module, Any, Any, Datasets]:
         # The data first: a classifier's head is sized by the labels the data holds.
         tokenizer = load_tokenizer(resolve_model_path(config.model), config.model.trust_remote_code)
+        started = time.perf_counter()
         own = objective.load_data(tokenizer) if data is None else None
+        if own is not None:
+            own.seconds = time.perf_counter() - started
         model, tokenizer, model_dir = build_model(config, precision,
                                                   objective.model_head(tokenizer), tokenizer)
         if config.model.init_adapter:

@@ -145,6 +145,8 @@ def resume_command(out: Path) -> str:
 def print_outcome(summary: RunSummary, objective: Objective) -> None:
     lines = [f"done: {summary.steps} steps in {summary.wall_s:.0f} s, "
              f"{summary.tokens_per_s:.0f} tokens/s, peak RSS {summary.peak_rss_gb:.2f} GB"]
+    if summary.time is not None:
+        lines.append(f"time: {summary.time.describe()}")
     if summary.eval_before and summary.eval_after:
         lines.append(objective.describe_eval(summary.eval_before, summary.eval_after))
     for sample in summary.samples:

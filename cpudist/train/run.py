@@ -27,7 +27,7 @@ from cpudist.infer.generate import answer_prompts
 from cpudist.model.adapters import is_full
 from cpudist.model.quantize import QuantizedLinear
 from cpudist.objectives import Prompt
-from cpudist.records import EvalRecord, HeldOutAnswer, RunSummary, StepRecord
+from cpudist.records import EvalRecord, HeldOutAnswer, RunSummary, StepRecord, TimeSplit
 from cpudist.report.console import Progress
 from cpudist.report.metrics import MetricsLog
 from cpudist.report.tracking import Trackers, open_trackers
@@ -57,11 +57,12 @@ def train(config: Config, debug: bool = False) -> RunSummary | None:
     """Run a fine-tune as this process's rank; returns the summary on rank 0 (None on other
     ranks). A run a signal stopped after its checkpoint raises Preempted, once every rank is
     done."""
+    started = time.perf_counter()
     with start_process(config.dist, debug, resume_hint="Continue from the newest checkpoint "
                        "with train.resume=auto", stacks_dir=Path(config.output.dir)) as process:
         resolved = resolve(config, process.placement)
         with StopFlag(config.train.save_on_signal) as stop:
-            run = set_up(resolved, process, stop)
+            run = set_up(resolved, process, stop, started)
             fit(run)
             summary = finish(run)
             stopped = run.stopped_by, run.state.step
@@ -148,6 +149,8 @@ class Run:
     eval_before: dict[str, float]
     prompts: list[Prompt]
     answers_before: list[str]
+    times: TimeSplit  # setup, data and validation so far; completed by finish
+    started: float  # perf_counter when train() began
     progress: Progress = field(init=False)
     clock: Clock = field(init=False)
     start_step: int = field(init=False)
@@ -168,9 +171,10 @@ class Run:
         return self.engine.placement
 
 
-def set_up(resolved: Resolved, process: Process, stop: StopFlag) -> Run:
+def set_up(resolved: Resolved, process: Process, stop: StopFlag, started: float) -> Run:
     """OUTPUT/ prepared (rank 0), the engine built and the checkpoint applied, metrics opened, and
-    the validation figures and held-out answers before training."""
+    the validation figures and held-out answers before training. `started`: when train() began
+    (perf_counter), the origin of the run's time split."""
     config, placement = resolved.config, process.placement
     rank0_only(placement, lambda: prepare_output(resolved.given))
     if resolved.batch_line:
@@ -200,14 +204,25 @@ def set_up(resolved: Resolved, process: Process, stop: StopFlag) -> Run:
                                                            config.train.resume is not None))
     prompts = (list(engine.objective.held_out_prompts(engine.data.val, config.train.sample_prompts))
                if placement.is_main else [])
-    before = {} if resumed else engine.evaluate()
+    data = engine.data
+    times = TimeSplit(data_s=data.seconds, data_cached=bool(data.counts.get("cache_hit")))
+    times.setup_s = time.perf_counter() - started - times.data_s
+    before = {} if resumed else timed_evaluation(engine, times)
     if before:
         log.info("validation before training: %s", describe(before))
         if trackers is not None:
             trackers.evaluation(EvalRecord(0, before))
     answers = answer_prompts(engine.session, [p.ids for p in prompts], config.train.max_new_tokens)
     return Run(config, engine, state, out, resumed, metrics, trackers, stop, before, prompts,
-               answers)
+               answers, times, started)
+
+
+def timed_evaluation(engine: Engine, times: TimeSplit) -> dict[str, float]:
+    """engine.evaluate(), its seconds added to the run's validation time."""
+    began = time.perf_counter()
+    figures = engine.evaluate()
+    times.eval_s += time.perf_counter() - began
+    return figures
 
 
 def describe(figures: dict[str, float]) -> str:
@@ -245,8 +260,9 @@ def fit(run: Run) -> None:
         result = engine.step(engine.micro_batches(epoch, index))
         count_step(run, result)
         record = step_record(run, result, time.perf_counter() - started)
+        run.times.train_s += record.step_s
         if tc.eval_every and state.step % tc.eval_every == 0 and state.step < engine.total_steps:
-            record.evaluation = engine.evaluate()
+            record.evaluation = timed_evaluation(engine, run.times)
         log_step(run, record)
         (stop_votes,) = allreduce([float(run.stop.signal is not None)], run.placement, op="max")
         if stop_votes:
@@ -324,7 +340,7 @@ def finish(run: Run) -> RunSummary | None:
     wall = run.clock.elapsed()
     if run.last_saved != state.step:
         save_checkpoint(run)
-    after = engine.evaluate()
+    after = timed_evaluation(engine, run.times)
     answers_after = answer_prompts(engine.session, [p.ids for p in run.prompts],
                                    run.config.train.max_new_tokens)
     if not run.placement.is_main:
@@ -336,6 +352,10 @@ def finish(run: Run) -> RunSummary | None:
         if run.trackers is not None:
             run.trackers.evaluation(EvalRecord(state.step, after))
     run.metrics.close()
+    times = run.times
+    times.wall_s = time.perf_counter() - run.started
+    times.other_s = max(0.0, times.wall_s - times.setup_s - times.data_s - times.eval_s
+                        - times.train_s)
     summary = summarize(run, wall, after, answers_after)
     summary.write(run.out / "summary.json")
     print_outcome(summary, engine.objective)
@@ -379,7 +399,8 @@ def summarize(run: Run, wall: float, after: dict[str, float], answers_after: lis
         tokens_per_s=(run.tokens_this_process / run.clock.this_process()
                       if state.step > run.start_step else 0.0),
         tokens_seen=state.tokens_seen, bad_steps=state.bad_steps_total, peak_rss_gb=peak_rss_gb(),
-        eval_before=run.eval_before, eval_after=after,
+        eval_before=run.eval_before, eval_after=after, time=run.times,
+        sources=dict(engine.data.counts.get("sources") or {}),
         samples=[HeldOutAnswer(tokenizer.decode(p.ids, skip_special_tokens=False),
                                tokenizer.decode(p.reference, skip_special_tokens=True), b, a)
                  for p, b, a in zip(run.prompts, answers_before, answers_after, strict=False)])

@@ -10,7 +10,8 @@ import pytest
 
 from cpudist.config import DataConfig
 from cpudist.data.formats import PreferencePair, preference
-from cpudist.data.preference import pair_columns, tokenize_pair, truncate_pair
+from cpudist.data.preference import load_pairs, pair_columns, tokenize_pair, truncate_pair
+from cpudist.data.tokenize import places
 from cpudist.errors import UserError
 from tests.helpers import cli_in_process, tiny_overrides, write_jsonl
 
@@ -68,7 +69,7 @@ def test_chat_pairs_tokenize_as_sft_does(tokenizer_dir: Path) -> None:
     assert plain_chosen[-1] == tokenizer.eos_token_id
 
 
-def test_drops_and_truncation_are_counted(tokenizer_dir: Path) -> None:
+def test_drops_and_truncation_are_counted(tokenizer_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -78,13 +79,14 @@ def test_drops_and_truncation_are_counted(tokenizer_dir: Path) -> None:
             {"prompt": "Q2", "chosen": "same", "rejected": "same"},
             {"prompt": long, "chosen": "A", "rejected": "B"},
             {"prompt": "Q3 " * 8, "chosen": long, "rejected": "B"}]
-    columns, stats = pair_columns(rows, tokenizer, config, "p.jsonl")
+    columns, stats = pair_columns(places(rows, "p.jsonl"), tokenizer, config)
     assert stats == {"samples": 4, "truncated": 1, "dropped_long_prompt": 1, "dropped_identical": 1}
     assert len(columns["prompt"]) == 2
     assert all(len(p) + len(c) <= 24 for p, c in zip(columns["prompt"], columns["chosen"], strict=True))
+    path = write_jsonl(tmp_path / "p.jsonl", rows[1:3])
     with pytest.raises(UserError, match=r"p.jsonl: no usable pair \(1 prompts fill data.max_length=24, "
                                         r"1 pairs have identical answers\)"):
-        pair_columns(rows[1:3], tokenizer, config, "p.jsonl")
+        load_pairs(path, tokenizer, config.model_copy(update={"cache_dir": str(tmp_path / "c")}))
 
 
 def test_objective_and_format_must_fit(tiny_llama: Path, chat_file: Path, tmp_path: Path,

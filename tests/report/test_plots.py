@@ -46,6 +46,9 @@ SUMMARY = {
     "val_loss_before": 3.25, "val_ppl_before": 25.8, "steps": 6, "train_loss": 0.5,
     "val_loss_after": 0.41, "val_ppl_after": 1.5, "wall_s": 12.0, "tokens_per_s": 104.5,
     "tokens_seen": 1000, "bad_steps": 0, "peak_rss_gb": 0.7,
+    "time": {"setup_s": 3.5, "data_s": 41.25, "data_cached": False, "eval_s": 2.75,
+             "train_s": 12.0, "other_s": 0.5, "wall_s": 60.0, "goodput": 0.2},
+    "sources": {"web.jsonl": 300, "books.parquet": 100},
     "samples": [{"prompt": "<|im_start|>user\nWhat is <b>2+2</b>?", "reference": "Four.",
                  "before": "Maybe five", "after": "Four, of course."}],
 }
@@ -62,7 +65,9 @@ def test_report_embeds_plots_environment_figures_and_answers(tmp_path: Path) -> 
     assert sorted(images) == sorted((out / name).read_bytes() for name in PLOTS)
     assert "<link" not in page and "<script" not in page  # nothing to fetch from elsewhere
     for text in ("Test CPU 9000", "float32: set by model.dtype", "gloo", "openmpi",
-                 "0.41", "3.25", "104.5", "Four, of course.", "Maybe five", "lr: 0.001"):
+                 "0.41", "3.25", "104.5", "Four, of course.", "Maybe five", "lr: 0.001",
+                 "Where the time went", "41.25", "read and tokenized", "2.75", "20.0%",
+                 "web.jsonl", "books.parquet"):
         assert text in page, text
     # User text is escaped, never interpreted as markup.
     assert "&lt;b&gt;2+2&lt;/b&gt;" in page and "<b>2+2</b>" not in page

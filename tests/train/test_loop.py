@@ -83,6 +83,12 @@ def test_cli_run_writes_the_documented_outputs(fixture: str, request: pytest.Fix
                 "tokens_per_s", "peak_rss_gb"):
         assert key in summary, key
     assert summary["steps"] == 4
+    times = summary["time"]
+    parts = ("setup_s", "data_s", "eval_s", "train_s", "other_s")
+    assert all(times[key] >= 0 for key in parts) and times["train_s"] > 0
+    assert sum(times[key] for key in parts) == pytest.approx(times["wall_s"], rel=1e-6)
+    assert times["goodput"] == pytest.approx(times["train_s"] / times["wall_s"])
+    assert "time: setup" in result.stdout and "goodput" in result.stdout
 
 
 def test_activation_checkpointing_gives_the_same_losses(tiny_llama: Path, chat_file: Path,
