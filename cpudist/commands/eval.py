@@ -4,7 +4,9 @@ token accuracy on a data file, or the accuracy on a multiple-choice / QA task (e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,10 +78,13 @@ def _max_length(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # With --json, stdout carries the one JSON object: the run's log lines go to stderr.
+    logs_away = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     if args.task is not None:
-        result, target = evaluate_task_file(
-            ModelChoice.of(args), args.task, out=args.out, max_new_tokens=args.max_new_tokens,
-            system=args.system, dtype=args.dtype)
+        with logs_away:
+            result, target = evaluate_task_file(
+                ModelChoice.of(args), args.task, out=args.out,
+                max_new_tokens=args.max_new_tokens, system=args.system, dtype=args.dtype)
         if args.json:
             print(json.dumps(result.to_json()))
             return 0
@@ -87,9 +92,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"written to {target}" if target else
               "not written anywhere (no adapter run directory; pass --out FILE to keep it)")
         return 0
-    scores = evaluate_data(ModelChoice.of(args), args.data, data_format=args.format,
-                           max_length=args.max_length, batch_size=args.batch_size,
-                           max_batches=args.max_batches, system=args.system, dtype=args.dtype)
+    with logs_away:
+        scores = evaluate_data(ModelChoice.of(args), args.data, data_format=args.format,
+                               max_length=args.max_length, batch_size=args.batch_size,
+                               max_batches=args.max_batches, system=args.system,
+                               dtype=args.dtype)
     print(json.dumps(scores.to_json()) if args.json else scores.line())
     return 0
 
