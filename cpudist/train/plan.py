@@ -1,7 +1,7 @@
 """Will it fit: the memory a run needs per rank and per node, predicted before any weight is read.
 
 The model's parameters are counted on a meta-device copy built from config.json (no memory). Per
-rank: the adapter (fp32 weights, gradients, AdamW moments, DDP's gradient buckets), activations
+rank: the adapter (fp32 weights, gradients, AdamW moments), activations
 kept for backward (all layers, or with activation checkpointing each layer's input plus one
 layer recomputed), the chunked loss head's buffers, the dequantization buffer of a quantized base,
 and the process itself. Per node: the frozen weights once (mapped and shared by the node's ranks;
@@ -148,17 +148,14 @@ def total_params(parts: Parts) -> int:
 def full_training_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str
                      ) -> dict[str, float]:
     """peft.method=full, each rank's own: fp32 master weights, their gradients, AdamW's two fp32
-    moments (with train.zero a 1/ranks share: at least the node's ranks share the state), DDP's
-    gradient buckets (a second fp32 copy of the gradients) and, under bf16 autocast, the bf16 copy
-    of every linear's weight that forward casts and backward keeps."""
+    moments (with train.zero a 1/ranks share: at least the node's ranks share the state) and,
+    under bf16 autocast, the bf16 copy of every linear's weight that forward casts and backward
+    keeps. DDP's buckets hold the gradients themselves (gradient_as_bucket_view), no second copy."""
     total = total_params(parts)
-    distributed = ranks_per_node > 1 or bool(config.dist.threads_per_rank)
     shards = ranks_per_node if config.train.zero and ranks_per_node > 1 else 1
     rank = {"weights (fp32)": total * 4 / GB, "gradients (fp32)": total * 4 / GB,
             "AdamW moments" + (f" (1/{shards}, train.zero)" if shards > 1 else ""):
                 total * 8 / shards / GB}
-    if distributed:
-        rank["DDP gradient buckets"] = total * 4 / GB
     if compute == "bfloat16":
         rank["bf16 weight copies (autocast)"] = (parts.linears + parts.head) * 2 / GB
     return rank
@@ -236,11 +233,10 @@ def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> 
     sequences = rows_per_micro_batch(config)
     tokens = _tokens(config)
     rank: dict[str, float] = {}
-    ddp = 4 if ranks_per_node > 1 or config.dist.threads_per_rank else 0
     if config.peft.method == "full":
         rank.update(full_training_gb(config, parts, ranks_per_node, compute))
     else:
-        rank["adapter, gradients, AdamW"] = trainable_params(parts, config) * (16 + ddp) / GB
+        rank["adapter, gradients, AdamW"] = trainable_params(parts, config) * 16 / GB
     per_h, per_i = ACTIVATION_BYTES[compute]
     per_layer_token = per_h * parts.hidden + per_i * parts.intermediate
     if config.model.gradient_checkpointing:

@@ -61,11 +61,32 @@ def test_profile_from_a_bench_result() -> None:
                                                   "wait_for_slowest_s": [0.0],
                                                   "compute_s_per_rank": [2.8]}))
     assert single.wire_bytes == 8e6  # 16 MB of fp32 gradients, sent in bf16
-    assert single.imbalance == 0.0
+    assert single.imbalance == 0.0 and single.param_sync_bytes == 0.0
+    sharded = m.profile_from_bench(bench_result(**{**figures, "config": {
+        **figures["config"], "train": {"zero": True}}}))
+    assert sharded.param_sync_bytes == 16e6  # the fp32 weights, as many bytes as their gradients
+
+
+def test_full_fine_tuning_bytes_flops_and_sharded_optimizer() -> None:
+    # SmolLM2-135M's parameter count, as transformers reports it (tied head).
+    assert m.full_gradient_bytes("smollm2-135m") == 4 * 134_515_008
+    # Every linear and the head trained: 6 FLOPs a weight a token where LoRA's frozen ones cost 4.
+    lora = m.step_flops("qwen2.5-0.5b", 8, 512, 1, False)
+    full = m.step_flops("qwen2.5-0.5b", 0, 512, 1, False, method="full")
+    assert full > lora * 1.4
+    # train.zero: after the allreduce, 3/4 of 100 MB of weights gathered at 1 Gbit/s, + 3 x 1 ms.
+    plain = m.StepProfile(compute_s=2.0, tokens=1000, wire_bytes=20e6, bucket_bytes=25e6)
+    zero = m.StepProfile(compute_s=2.0, tokens=1000, wire_bytes=20e6, bucket_bytes=25e6,
+                         param_sync_bytes=100e6)
+    assert (m.predict(zero, 4, 1, 1e9, 1e-3).exposed_comm_s
+            == pytest.approx(m.predict(plain, 4, 1, 1e9, 1e-3).exposed_comm_s + 0.6 + 0.003))
+    assert m.predict(zero, 1, 1, 1e9, 1e-3).step_s == pytest.approx(2.0)
 
 
 def test_the_predicted_table_states_its_assumptions() -> None:
     table = m.predicted_table()
     assert table.startswith("Predicted") and "72 TFLOP/s" in table
-    assert table.count("| qwen2.5-0.5b") == 4 and table.count("| qwen2.5-7b") == 4
-    assert "16 node(s)" in table
+    # LoRA: 3 links x 2 settings; full: 3 links x 3 settings (fp32, bf16, bf16 + train.zero).
+    assert table.count("| qwen2.5-0.5b r=8") == 6 and table.count("| qwen2.5-7b") == 6
+    assert table.count("| smollm2-135m full") == 9 and table.count("| qwen2.5-0.5b full") == 9
+    assert "100 Gbit/s" in table and "16 node(s)" in table and "train.zero" in table

@@ -1,0 +1,16 @@
+"""The scaling model against the 2-fake-node rows of this folder: each row's own compute (its step
+minus the exposed allreduce and waits), the 1 Gbit/s link, 2 ranks -> predicted step time."""
+import json
+from pathlib import Path
+
+from cpudist.bench import scaling_model as m
+from cpudist.records import BenchResult
+
+here = Path(__file__).parent
+for name in ("fp32", "bf16", "zero"):
+    for entry in json.loads((here / f"{name}.json").read_text()):
+        result = BenchResult.from_json(entry["result"])
+        predicted = m.predict(m.profile_from_bench(result), 2, 1, 1e9, 0.0)
+        print(f"{name} {entry['row']['bucket_cap_mb']:g} MB: step {result.s_per_step:.2f} s, "
+              f"predicted {predicted.step_s:.2f} s ({predicted.step_s / result.s_per_step - 1:+.1%}); "
+              f"exposed {result.comm_exposed_s_per_step:.2f} s, predicted {predicted.exposed_comm_s:.2f} s")
