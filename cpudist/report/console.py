@@ -49,14 +49,16 @@ class Progress:
 
 
 class RowProgress:
-    """Work before training counted in rows (reading and tokenizing a dataset): a log line with
-    rows done, rows/s and an ETA at most every `every` seconds, and one when it ends. Lines go
-    through the "cpudist" logger, so only rank 0 prints them (other ranks log warnings only)."""
+    """Work before training counted in rows (reading and tokenizing a dataset) or another unit
+    (MB of a model conversion): a log line with the amount done, its rate and an ETA at most
+    every `every` seconds, and one when it ends. Lines go through the "cpudist" logger, so only
+    rank 0 prints them (other ranks log warnings only)."""
 
-    def __init__(self, what: str, total: int, every: float = 10.0) -> None:
+    def __init__(self, what: str, total: int, every: float = 10.0, unit: str = "rows") -> None:
         self.what = what
         self.total = total  # an estimate (lines of a file); 0 when unknown
         self.every = every
+        self.unit = unit
         self.started = self.last = time.perf_counter()
 
     def update(self, done: int) -> None:
@@ -68,13 +70,14 @@ class RowProgress:
         left = max(self.total - done, 0)
         eta = f", eta {_duration(left / rate)}" if self.total and rate > 0 else ""
         of = f" of ~{self.total:,}" if self.total else ""
-        log.info("%s: %s%s rows, %.0f rows/s%s", self.what, f"{done:,}", of, rate, eta)
+        log.info("%s: %s%s %s, %.0f %s/s%s", self.what, f"{done:,}", of, self.unit, rate,
+                 self.unit, eta)
 
     def finish(self, done: int) -> float:
         """Log the total; returns the seconds it took."""
         seconds = time.perf_counter() - self.started
-        log.info("%s: %s rows in %.1f s (%.0f rows/s)", self.what, f"{done:,}", seconds,
-                 done / max(seconds, 1e-9))
+        log.info("%s: %s %s in %.1f s (%.0f %s/s)", self.what, f"{done:,}", self.unit, seconds,
+                 done / max(seconds, 1e-9), self.unit)
         return seconds
 
 
