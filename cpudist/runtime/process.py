@@ -187,16 +187,18 @@ def run_apart(function: Callable[..., T], *args: Any) -> T:
     handler = next(iter(logger.handlers), None)
     form = getattr(handler.formatter, "_fmt", None) if handler and handler.formatter else None
     to_stdout = getattr(handler, "stream", None) is sys.stdout
+    levels = (logger.getEffectiveLevel(), logging.getLogger("cpudist.progress").level)
     with multiprocessing.get_context("spawn").Pool(
-            1, initializer=_log_as, initargs=(logger.getEffectiveLevel(), form, to_stdout)) as pool:
+            1, initializer=_log_as, initargs=(*levels, form, to_stdout)) as pool:
         return pool.apply(function, args)
 
 
-def _log_as(level: int, form: str | None, to_stdout: bool) -> None:
-    """A spawned child's "cpudist" logger, as its parent's (level, line format, stream)."""
+def _log_as(level: int, progress_level: int, form: str | None, to_stdout: bool) -> None:
+    """A spawned child's "cpudist" logger, as its parent's (levels, line format, stream)."""
     handler = logging.StreamHandler(sys.stdout if to_stdout else sys.stderr)
     handler.setFormatter(logging.Formatter(form or "%(message)s"))
     root = logging.getLogger("cpudist")
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+    logging.getLogger("cpudist.progress").setLevel(progress_level)  # --quiet
