@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -76,6 +77,9 @@ def command_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
     parser = CommandParser(prog=f"cpudist {name}", description=module.DESCRIPTION,
                            epilog=getattr(module, "EPILOG", None))
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress lines (training steps, rows read and tokenized, model "
+                             "conversions); the rest of the log as usual")
     module.add_arguments(parser)
     return parser, module
 
@@ -127,7 +131,14 @@ def _dispatch(given: list[str], real_command_line: bool) -> int:
     # Intermixed: `section.key=value` overrides may stand before, between or after flags.
     intermixed = getattr(module, "INTERMIXED", True)
     args = parser.parse_intermixed_args(rest) if intermixed else parser.parse_args(rest)
-    return int(module.run(args) or 0)
+    progress = logging.getLogger("cpudist.progress")  # cpudist.report.console's progress lines
+    level = progress.level
+    if args.quiet:
+        progress.setLevel(logging.WARNING)
+    try:
+        return int(module.run(args) or 0)
+    finally:
+        progress.setLevel(level)  # a caller running several commands in one process
 
 
 def _say(message: str, code: ExitCode) -> None:

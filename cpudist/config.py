@@ -151,8 +151,9 @@ class DataConfig(_Section):
     # At most this many held-out samples are evaluated (before, after and every
     # train.eval_every), the same ones every time (drawn with train.seed); null = all of them.
     # Measured: 2,000 cost about 310 s per evaluation for the quickstart model on 2 cores
-    # (0.155 s a sample); 256 keeps the two evaluations of a 200-step quickstart run (4.4 s a
-    # step) near 9 % of it (docs/PERFORMANCE.md, "Data at scale").
+    # (0.155 s a sample), 256 about 40 s; the two evaluations of a 200-step quickstart run
+    # (4.4 s a step) on 2,000,000 rows are then about 6 % of it (docs/PERFORMANCE.md, "Data at
+    # scale").
     val_max_samples: int | None = Field(256, gt=0)
     # Processes that tokenize a file not yet cached (once per node); null = the node's physical
     # cores. 1 tokenizes in the calling process.

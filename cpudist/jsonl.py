@@ -56,7 +56,9 @@ def iter_jsonl(path: Path, advice: str | None = None, start: int = 0, stop: int 
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise JsonlError(f"{path}:{number}: malformed JSON ({exc.msg} at column "
+                # Some messages end in "at" ("Invalid control character at"): said once.
+                raise JsonlError(f"{path}:{number}: malformed JSON "
+                                 f"({exc.msg.removesuffix(' at')} at column "
                                  f"{exc.colno}); {advice or FIX_LINE}", number, start) from None
             yield Line(number, start, offset, value)
 

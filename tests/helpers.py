@@ -269,7 +269,7 @@ def process_state_kept() -> Iterator[None]:
     Python warnings into logging, torch's threads and RNG, the CPU affinity, the handlers of the
     signals a run stops on, the environment (OMP_NUM_THREADS, HF_HUB_OFFLINE, ...) and the thread
     excepthook. Library verbosity and progress bars stay as the command left them."""
-    loggers = [logging.getLogger(name) for name in ("cpudist", "py.warnings")]
+    loggers = [logging.getLogger(name) for name in ("cpudist", "cpudist.progress", "py.warnings")]
     saved_loggers = [(log, list(log.handlers), log.level, log.propagate) for log in loggers]
     showwarning = warnings.showwarning
     threads = torch.get_num_threads()

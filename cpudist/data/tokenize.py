@@ -132,7 +132,7 @@ def label_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]], add_spe
 class Rows:
     """Rows of token ids stored flat: the values (one array per stored chunk, memory-mapped from
     the cache), and each row's chunk, start and length. A row is read as a list of ints; no row
-    is held as one, so a split of millions of rows costs 14 bytes a row besides its tokens."""
+    is held as one, so a split of millions of rows costs 20 bytes a row besides its tokens."""
 
     def __init__(self, values: list[Any], chunk: Any, start: Any, length: Any) -> None:
         self.values, self.chunk, self.start, self.length = values, chunk, start, length

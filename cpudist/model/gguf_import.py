@@ -31,7 +31,7 @@ from cpudist.model.gguf_arch import (
     head_dim,
     llama3_rope_parameters,
 )
-from cpudist.model.safetensors_io import Spec, write_file, write_index
+from cpudist.model.safetensors_io import ByteProgress, Spec, write_file, write_index
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +254,18 @@ def _convert(file: Path, target: Path) -> None:
         shift = -1.0 if arch.norms_plus_one and hf_name.endswith("norm.weight") else 0.0
         return arch.hf_rows(hf_name, _dequantized(tensor, shift).reshape(shape), n_head, n_head_kv)
 
+    specs = {name: Spec(torch.bfloat16, shape) for name, (_, shape) in sources.items()}
+    progress = ByteProgress(f"converting {file.name}", sum(spec.nbytes for spec in specs.values()))
+
+    def made(hf_name: str) -> torch.Tensor:
+        tensor = make(hf_name)
+        progress.add(specs[hf_name].nbytes)
+        return tensor
+
     with replacing(target) as tmp:
         tmp.mkdir(parents=True)
-        _write_shards(tmp, {name: Spec(torch.bfloat16, shape) for name, (_, shape) in sources.items()},
-                      make)
+        _write_shards(tmp, specs, made)
+        progress.finish()
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 

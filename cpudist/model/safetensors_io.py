@@ -27,6 +27,25 @@ SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 INDEX = "model.safetensors.index.json"
+PROGRESS_EVERY_S = 10.0  # a conversion of more than this long logs how far it is
+
+
+class ByteProgress:
+    """A conversion's megabytes done, with a rate and an ETA, in a log line at most every
+    PROGRESS_EVERY_S (a 7B model converts for minutes; a small one logs its last line only)."""
+
+    def __init__(self, what: str, total_bytes: int) -> None:
+        from cpudist.report.console import RowProgress
+
+        self.done = 0
+        self.progress = RowProgress(what, total_bytes >> 20, PROGRESS_EVERY_S, unit="MB")
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.progress.update(self.done >> 20)
+
+    def finish(self) -> None:
+        self.progress.finish(self.done >> 20)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

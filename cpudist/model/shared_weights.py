@@ -18,6 +18,7 @@ from torch import nn
 from cpudist.files import file_lock, remove, replacing
 from cpudist.model.safetensors_io import (
     SAFETENSORS_DTYPES,
+    ByteProgress,
     Spec,
     files_fingerprint,
     mapped_tensors,
@@ -30,8 +31,9 @@ from cpudist.runtime.process import run_apart
 
 log = logging.getLogger("cpudist")
 
-def _convert_file(source: Path, target: Path, dtype: torch.dtype) -> None:
-    """source's tensors, floating ones cast to dtype, written as target one tensor at a time."""
+def _convert_file(source: Path, target: Path, dtype: torch.dtype, progress: ByteProgress) -> None:
+    """source's tensors, floating ones cast to dtype, written as target one tensor at a time
+    (progress counts the source's bytes read)."""
     header, data_start = read_header(source)
     order = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
     specs = {}
@@ -41,6 +43,8 @@ def _convert_file(source: Path, target: Path, dtype: torch.dtype) -> None:
 
     def make(name: str) -> torch.Tensor:
         tensor = read_tensor(source, header[name], data_start)
+        begin, end = header[name]["data_offsets"]
+        progress.add(end - begin)
         return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
     write_file(target, specs, make)
@@ -67,9 +71,11 @@ def converted_dir(model_dir: Path, dtype: torch.dtype, cache_dir: Path) -> Path:
 def _convert_files(model_dir: Path, files: list[Path], dtype: torch.dtype, target: Path) -> None:
     remove(target)
     target.mkdir(parents=True)
+    progress = ByteProgress(f"converting {model_dir.name}", sum(f.stat().st_size for f in files))
     for file in files:
         with replacing(target / file.name) as tmp:
-            _convert_file(file, tmp, dtype)
+            _convert_file(file, tmp, dtype, progress)
+    progress.finish()
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         (target / index.name).write_text(index.read_text())

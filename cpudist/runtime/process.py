@@ -179,8 +179,26 @@ def _dump_stacks(exc: BaseException, rank: int, stacks_dir: Path | None) -> None
 def run_apart(function: Callable[..., T], *args: Any) -> T:
     """function(*args) in a fresh child process (spawned: no MPI, no threads inherited); its
     result or its exception comes back. For one-time conversions whose memory should return to
-    the system when they end instead of staying in this process's allocator."""
+    the system when they end instead of staying in this process's allocator. The child logs as
+    this process does (its progress lines on rank 0 only)."""
     import multiprocessing
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    logger = logging.getLogger("cpudist")
+    handler = next(iter(logger.handlers), None)
+    form = getattr(handler.formatter, "_fmt", None) if handler and handler.formatter else None
+    to_stdout = getattr(handler, "stream", None) is sys.stdout
+    levels = (logger.getEffectiveLevel(), logging.getLogger("cpudist.progress").level)
+    with multiprocessing.get_context("spawn").Pool(
+            1, initializer=_log_as, initargs=(*levels, form, to_stdout)) as pool:
         return pool.apply(function, args)
+
+
+def _log_as(level: int, progress_level: int, form: str | None, to_stdout: bool) -> None:
+    """A spawned child's "cpudist" logger, as its parent's (levels, line format, stream)."""
+    handler = logging.StreamHandler(sys.stdout if to_stdout else sys.stderr)
+    handler.setFormatter(logging.Formatter(form or "%(message)s"))
+    root = logging.getLogger("cpudist")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+    logging.getLogger("cpudist.progress").setLevel(progress_level)  # --quiet

@@ -4,6 +4,8 @@ peft's, layout against the gguf reader), and bad input gets one-line errors."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import gguf
@@ -151,19 +153,27 @@ def test_bad_input_gets_one_line_errors(tiny_llama: Path, tiny_qwen: Path, tmp_p
     assert (tmp_path / "keep.gguf").read_text() == "mine"
 
 
-def test_any_gguf_is_a_base_converted_tensor_by_tensor(tiny_qwen: Path, tiny_llama: Path,
-                                                        tiny_qwen3: Path, tmp_path: Path) -> None:
+def test_any_gguf_is_a_base_converted_tensor_by_tensor(
+        tiny_qwen: Path, tiny_llama: Path, tiny_qwen3: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Our own GGUF of each architecture reads back to the original weights (bf16 rounding), wide
     heads (head_dim above hidden_size / heads) included, and the real llama.cpp-written SmolLM2
     Q4_1 file reads back to what transformers' loader makes."""
     from safetensors.torch import load_file
 
     from cpudist.config import ModelConfig
+    from cpudist.model import safetensors_io
     from cpudist.model.load import resolve_model_path
     for base_dir in (tiny_llama, tiny_qwen, tiny_qwen3):
         file = tmp_path / f"{base_dir.name}.gguf"
         assert main(["export", "--base", str(base_dir), "--out", str(file), "--type", "f32"]) == 0
-        converted = resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache")))
+        monkeypatch.setattr(safetensors_io, "PROGRESS_EVERY_S", 0.0)  # a line per tensor
+        with caplog.at_level(logging.INFO, logger="cpudist"):
+            converted = resolve_model_path(ModelConfig(path=str(file), cache_dir=str(tmp_path / "cache")))
+        # How far it is, as it goes (here a line per tensor), then how long it took.
+        assert re.search(rf"converting {file.name}: \d+ of ~\d+ MB, \d+ MB/s, eta", caplog.text)
+        assert re.search(rf"converting {file.name}: \d+ MB in [\d.]+ s", caplog.text)
+        caplog.clear()
         assert converted.parent == tmp_path / "cache" / "gguf"
         original, back = load_file(base_dir / "model.safetensors"), load_file(converted / "model.safetensors")
         assert set(back) == set(original)

@@ -3,6 +3,8 @@ normal load, converted once when the file's dtype differs, built without a priva
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -33,9 +35,13 @@ def test_shared_weights_equal_a_normal_load(tiny_llama: Path, tmp_path: Path) ->
 
 
 def test_bf16_weights_from_an_fp32_file_are_converted_once_and_shared(
-        tiny_qwen: Path, tmp_path: Path) -> None:
+        tiny_qwen: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        capfd: pytest.CaptureFixture[str]) -> None:
     plain = dict(lora_model(tiny_qwen, tmp_path, dtype="bfloat16", share=False).named_parameters())
-    shared = lora_model(tiny_qwen, tmp_path, dtype="bfloat16", share=True)
+    with caplog.at_level(logging.INFO, logger="cpudist"):
+        shared = lora_model(tiny_qwen, tmp_path, dtype="bfloat16", share=True)
+    # The conversion runs in a spawned child that logs as this process does: its last line.
+    assert re.search(rf"converting {tiny_qwen.name}: \d+ MB in [\d.]+ s", capfd.readouterr().err)
     converted = list((tmp_path / "converted").iterdir())
     converted = [d for d in converted if d.is_dir()]
     assert len(converted) == 1 and (converted[0] / "done").exists()
