@@ -14,9 +14,12 @@ halves. Scales and zeros are in the compute dtype.
 Why not a library's kernel: at training shapes (hundreds of rows), bitsandbytes' nf4/int8 and
 torchao's Int8WeightOnly ran slower than dequantizing into a buffer and calling oneDNN's GEMM, and
 torch's own packed int8/int4 kernels are made for decoding one row (docs/PERFORMANCE.md, "7-8B
-models and quantized bases"). Here each matmul dequantizes its weight into one buffer that the
-whole process reuses (no page faults) and runs oneDNN's GEMM in the compute dtype, in bf16 and in
-fp32 (AVX2-only CPUs) alike. Neither library can map a per-node cache file either. The embeddings
+models and quantized bases"). Here each matmul dequantizes its weight into a scratch buffer the
+process reuses (no page faults; one per role in a decoder layer, so a checkpointed layer's
+backward takes the weights its recomputed forward left there: two dequantizations per weight and
+step, not three) and runs oneDNN's GEMM in the compute dtype, in bf16 and in fp32 (AVX2-only
+CPUs) alike. int8's row scales multiply the GEMM's output (and the output gradient), so its
+weight is one cast of the codes; int4's large weights unpack in one compiled pass. Neither library can map a per-node cache file either. The embeddings
 and the LM head stay in the compute dtype, mapped: a lookup touches only its rows' pages, and the
 chunked loss head streams through the head's rows, where a quantized head would need a
 vocabulary-sized dequantized copy.
