@@ -19,10 +19,10 @@ process reuses (no page faults; one per role in a decoder layer, so a checkpoint
 backward takes the weights its recomputed forward left there: two dequantizations per weight and
 step, not three) and runs oneDNN's GEMM in the compute dtype, in bf16 and in fp32 (AVX2-only
 CPUs) alike. int8's row scales multiply the GEMM's output (and the output gradient), so its
-weight is one cast of the codes; int4's large weights unpack in one compiled pass. Neither library can map a per-node cache file either. The embeddings
-and the LM head stay in the compute dtype, mapped: a lookup touches only its rows' pages, and the
-chunked loss head streams through the head's rows, where a quantized head would need a
-vocabulary-sized dequantized copy.
+weight is one cast of the codes; int4's large weights unpack in one compiled pass. Neither
+library can map a per-node cache file either. The embeddings and the LM head stay in the
+compute dtype, mapped: a lookup touches only its rows' pages, and the chunked loss head streams
+through the head's rows, where a quantized head would need a vocabulary-sized dequantized copy.
 """
 
 from __future__ import annotations
