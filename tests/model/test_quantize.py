@@ -213,3 +213,20 @@ def test_checkpointed_backward_reuses_the_recomputed_weights_and_gets_the_same_g
     assert fresh.keys() == reused.keys()
     for name, grad in fresh.items():
         torch.testing.assert_close(reused[name], grad, msg=name)
+
+
+def test_the_compiled_int4_unpack_restores_what_the_eager_one_does() -> None:
+    """Weights of 2^20 values and more unpack in one compiled pass (fp32, rounded once): within
+    one bf16 unit of the eager unpack's two roundings."""
+    from cpudist.model import quantize
+
+    torch.manual_seed(2)
+    stored = METHODS["int4"].quantize(torch.randn(1024, 1024) * 0.02, 64, torch.bfloat16)
+    eager, compiled = (torch.empty(1024, 1024, dtype=torch.bfloat16) for _ in range(2))
+    quantize._dequantize_int4(stored, eager)
+    assert quantize._CompiledUnpack.run(stored, compiled), quantize._CompiledUnpack.problem
+    # One unit in the last place of the largest values (below 0.125: 2^-11), where the eager
+    # unpack's rounded product and sum can land a unit away; elsewhere they agree.
+    assert eager.abs().max() < 0.125
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=2 ** -11)
+    assert (compiled == eager).float().mean() > 0.5
