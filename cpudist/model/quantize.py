@@ -14,18 +14,23 @@ halves. Scales and zeros are in the compute dtype.
 Why not a library's kernel: at training shapes (hundreds of rows), bitsandbytes' nf4/int8 and
 torchao's Int8WeightOnly ran slower than dequantizing into a buffer and calling oneDNN's GEMM, and
 torch's own packed int8/int4 kernels are made for decoding one row (docs/PERFORMANCE.md, "7-8B
-models and quantized bases"). Here each matmul dequantizes its weight into one buffer that the
-whole process reuses (no page faults) and runs oneDNN's GEMM in the compute dtype, in bf16 and in
-fp32 (AVX2-only CPUs) alike. Neither library can map a per-node cache file either. The embeddings
-and the LM head stay in the compute dtype, mapped: a lookup touches only its rows' pages, and the
-chunked loss head streams through the head's rows, where a quantized head would need a
-vocabulary-sized dequantized copy.
+models and quantized bases"). Here each matmul dequantizes its weight into a scratch buffer the
+process reuses (no page faults; one per role in a decoder layer, so a checkpointed layer's
+backward takes the weights its recomputed forward left there: two dequantizations per weight and
+step, not three) and runs oneDNN's GEMM in the compute dtype, in bf16 and in fp32 (AVX2-only
+CPUs) alike. int8's row scales multiply the GEMM's output (and the output gradient), so its
+weight is one cast of the codes; int4's large weights unpack in one compiled pass. Neither
+library can map a per-node cache file either. The embeddings and the LM head stay in the
+compute dtype, mapped: a lookup touches only its rows' pages, and the chunked loss head streams
+through the head's rows, where a quantized head would need a vocabulary-sized dequantized copy.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +80,12 @@ def _dequantize_int8(stored: Stored, out: torch.Tensor) -> None:
     out.mul_(stored["scales"][:, None])
 
 
+def _int8_operand(stored: Stored, out: torch.Tensor) -> None:
+    # The codes alone (integers up to 127: exact in bf16); the row scales multiply the GEMM's
+    # output instead, a pass over tokens x out rather than over the whole weight.
+    out.copy_(stored["qweight"])
+
+
 def _int4_layout(rows: int, cols: int, group: int, dtype: torch.dtype
                  ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     groups = (rows, cols // group)
@@ -108,6 +119,55 @@ def _dequantize_int4(stored: Stored, out: torch.Tensor) -> None:
     grouped.add_(stored["zeros"][..., None])
 
 
+def _unpack_int4_halves(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        out: torch.Tensor) -> None:
+    """The int4 weight in one pass (what Inductor makes of it: read the packed byte, write two
+    values), for weights whose halves hold whole groups. Computed in fp32 and rounded once, so it
+    can differ from _dequantize_int4's two bf16 roundings by one unit in the last place."""
+    rows, half = packed.shape
+    n = scales.shape[1] // 2
+    codes = torch.stack([packed & 15, packed >> 4], dim=1).view(rows, 2, n, -1).float()
+    out.view(rows, 2, n, -1).copy_(codes * scales.view(rows, 2, n, 1).float()
+                                   + zeros.view(rows, 2, n, 1).float())
+
+
+# Below this many weights a compiled unpack does not repay its compile (seconds, once per shape).
+COMPILED_UNPACK_MIN = 1 << 20
+
+
+class _CompiledUnpack:
+    """torch.compile of _unpack_int4_halves, built on first use; where Inductor cannot build (no
+    C++ compiler), the eager unpack serves and the log says why, once."""
+
+    kernel: Callable[..., None] | None = None
+    problem: str | None = None
+
+    @classmethod
+    def run(cls, stored: Stored, out: torch.Tensor) -> bool:
+        if cls.problem is not None:
+            return False
+        args = (stored["qweight"], stored["scales"], stored["zeros"], out)
+        try:
+            if cls.kernel is None:
+                cls.kernel = torch.compile(_unpack_int4_halves, dynamic=False)
+            cls.kernel(*args)
+        except Exception as error:  # noqa: BLE001 - Inductor raises its own types for "cannot build"
+            cls.problem = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            log.warning("int4 unpack stays eager (slower): torch.compile cannot build here: %s",
+                        cls.problem)
+            return False
+        return True
+
+
+def _int4_operand(stored: Stored, out: torch.Tensor) -> None:
+    rows, half = stored["qweight"].shape
+    groups = stored["scales"].shape[1]
+    if (rows * half * 2 >= COMPILED_UNPACK_MIN and groups % 2 == 0
+            and _CompiledUnpack.run(stored, out)):
+        return
+    _dequantize_int4(stored, out)
+
+
 @dataclass(frozen=True)
 class Method:
     """How one quantization method stores and restores a frozen linear weight."""
@@ -120,34 +180,60 @@ class Method:
     # (the buffers, out [out, in] in the compute dtype) -> out filled with the weight
     dequantize: Callable[[Stored, torch.Tensor], None]
     grouped: bool  # scales per group of input columns (else per output row)
+    # What a matmul reads: (the buffers, out [out, in]) -> out filled with the weight, or with the
+    # weight divided by the per-output-row scale held in the buffer `row_scale` (then the GEMM's
+    # output, and the output gradient in backward, are multiplied by that scale instead).
+    operand: Callable[[Stored, torch.Tensor], None]
+    row_scale: str | None = None
 
 
 # model.quantize value -> its method. Adding one is one entry (and its name in config.py).
 METHODS: dict[str, Method] = {
     "int8": Method("int8, symmetric, a scale per output row", _int8_layout, _quantize_int8,
-                   _dequantize_int8, grouped=False),
+                   _dequantize_int8, grouped=False, operand=_int8_operand, row_scale="scales"),
     "int4": Method("int4, a scale and a zero per group of input columns", _int4_layout,
-                   _quantize_int4, _dequantize_int4, grouped=True),
+                   _quantize_int4, _dequantize_int4, grouped=True, operand=_int4_operand),
 }
 
 
 # --------------------------------------------------------------------------- the layer
 
 
-class _Scratch:
-    """One buffer per process for the dequantized weight of the matmul being computed: layers run
-    one at a time (forward, recomputation and backward alike), so a single buffer serves them all
-    and is never page-faulted again."""
+@dataclass
+class _Slot:
+    buffer: torch.Tensor
+    owner: weakref.ref | None = None  # the layer whose operand the buffer holds
+    key: tuple[int, ...] = ()  # that layer's buffers' addresses: new buffers mean a new weight
 
-    weights: dict[torch.dtype, torch.Tensor] = {}
+
+class _Scratch:
+    """The buffers the dequantized weights of a process's matmuls go into, one per slot and dtype
+    and never page-faulted again. A slot is a layer's role in a stack of decoder layers
+    ("model.layers.*.mlp.down_proj"; replace_linears names it), so at most one decoder layer's
+    weights are alive dequantized. With activation checkpointing a layer's recomputed forward and
+    its backward run back to back, so the backward finds the recompute's weights still in their
+    slots and takes them: two dequantizations per frozen weight and step instead of three. The
+    codes are frozen, so a weight left in its slot is still right whenever it is found there."""
+
+    slots: dict[tuple[str, torch.dtype], _Slot] = {}
     codes: torch.Tensor | None = None
 
     @classmethod
-    def weight(cls, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = cls.weights.get(dtype)
-        if buf is None or buf.numel() < rows * cols:
-            buf = cls.weights[dtype] = torch.empty(rows * cols, dtype=dtype)
-        return buf[: rows * cols].view(rows, cols)
+    def operand(cls, layer: QuantizedLinear) -> torch.Tensor:
+        rows, cols, dtype = layer.out_features, layer.in_features, layer.compute_dtype
+        key = tuple(getattr(layer, name).data_ptr() for name in layer.stored_names)
+        slot = cls.slots.get((layer.scratch_slot, dtype))
+        if slot is not None and slot.owner is not None and slot.owner() is layer \
+                and slot.key == key:
+            return slot.buffer[: rows * cols].view(rows, cols)
+        if slot is None or slot.buffer.numel() < rows * cols:
+            slot = cls.slots[(layer.scratch_slot, dtype)] = _Slot(
+                torch.empty(rows * cols, dtype=dtype))
+        out = slot.buffer[: rows * cols].view(rows, cols)
+        slot.owner = None  # not valid while it is being written
+        METHODS[layer.method].operand(layer.stored(), out)
+        slot.owner, slot.key = weakref.ref(layer), key
+        return out
 
 
 def _int4_codes(rows: int, cols: int) -> torch.Tensor:
@@ -157,15 +243,18 @@ def _int4_codes(rows: int, cols: int) -> torch.Tensor:
 
 
 class _DequantizedMatmul(torch.autograd.Function):
-    """x @ W^T (+ bias) with W dequantized into the scratch buffer, in forward and again in
-    backward: only the codes are kept, never a dequantized copy. The weight is frozen, so the
-    only gradient is the input's."""
+    """x @ W^T (+ bias) with W dequantized into its scratch slot, in forward and again in backward
+    unless the slot still holds it: only the codes are kept, never a dequantized copy per layer.
+    The weight is frozen, so the only gradient is the input's."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:
         ctx.layer = layer
-        weight = layer.dequantized_into_scratch()
+        weight = _Scratch.operand(layer)
         out = x.to(weight.dtype) @ weight.t()
+        scale = layer.row_scale()
+        if scale is not None:
+            out.mul_(scale)
         if layer.bias is not None:
             out += layer.bias
         ctx.input_dtype = x.dtype
@@ -173,8 +262,12 @@ class _DequantizedMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        weight = ctx.layer.dequantized_into_scratch()
-        return (grad.to(weight.dtype) @ weight).to(ctx.input_dtype), None
+        weight = _Scratch.operand(ctx.layer)
+        grad = grad.to(weight.dtype)
+        scale = ctx.layer.row_scale()
+        if scale is not None:
+            grad = grad * scale
+        return (grad @ weight).to(ctx.input_dtype), None
 
 
 class QuantizedLinear(nn.Module):
@@ -182,10 +275,12 @@ class QuantizedLinear(nn.Module):
     from the node's cache) and computed in `compute_dtype`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, method: str, group: int,
-                 compute_dtype: torch.dtype, device: torch.device | str = "meta") -> None:
+                 compute_dtype: torch.dtype, device: torch.device | str = "meta",
+                 scratch_slot: str = "") -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.method, self.group, self.compute_dtype = method, group, compute_dtype
+        self.scratch_slot = scratch_slot
         self.stored_names = []
         for name, (shape, dtype) in METHODS[method].layout(out_features, in_features, group,
                                                           compute_dtype).items():
@@ -207,10 +302,9 @@ class QuantizedLinear(nn.Module):
     def outfeatures(self) -> int:
         return self.out_features
 
-    def dequantized_into_scratch(self) -> torch.Tensor:
-        out = _Scratch.weight(self.out_features, self.in_features, self.compute_dtype)
-        METHODS[self.method].dequantize(self.stored(), out)
-        return out
+    def row_scale(self) -> torch.Tensor | None:
+        name = METHODS[self.method].row_scale
+        return None if name is None else getattr(self, name)
 
     def stored(self) -> Stored:
         return {name: getattr(self, name) for name in self.stored_names}
@@ -236,6 +330,14 @@ def frozen_linear_names(model: nn.Module) -> list[str]:
             if isinstance(module, nn.Linear) and module is not head]
 
 
+def scratch_slot(name: str) -> str:
+    """The layer's role in a stack of numbered layers ("model.layers.*.mlp.down_proj"), whose
+    dequantized weight gets a scratch buffer of its own; "" (one buffer shared by all) for a
+    linear outside such a stack, so the scratch never holds more than one layer's weights."""
+    pattern = re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)
+    return pattern if pattern != name else ""
+
+
 def replace_linears(model: nn.Module, names: list[str], method: str, group: int,
                     dtype: torch.dtype) -> None:
     """Swap the named nn.Linear modules for QuantizedLinear ones with empty (meta) buffers."""
@@ -243,8 +345,9 @@ def replace_linears(model: nn.Module, names: list[str], method: str, group: int,
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child)
-        setattr(parent, child, QuantizedLinear(linear.in_features, linear.out_features,
-                                               linear.bias is not None, method, group, dtype))
+        setattr(parent, child, QuantizedLinear(
+            linear.in_features, linear.out_features, linear.bias is not None, method, group,
+            dtype, scratch_slot=scratch_slot(name)))
 
 
 def dequantize_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:

@@ -3,9 +3,10 @@
 The model's parameters are counted on a meta-device copy built from config.json (no memory). Per
 rank: the adapter (fp32 weights, gradients, AdamW moments), activations
 kept for backward (all layers, or with activation checkpointing each layer's input plus one
-layer recomputed), the chunked loss head's buffers, the dequantization buffer of a quantized base,
-and the process itself. Per node: the frozen weights once (mapped and shared by the node's ranks;
-an untied embedding counts only for the rows a step touches) plus every rank's own memory.
+layer recomputed), the chunked loss head's buffers, the dequantization buffers of a quantized base
+(one decoder layer's weights) and the process itself. Per node: the frozen weights once (mapped
+and shared by the node's ranks; an untied embedding counts only for the rows a step touches) plus
+every rank's own memory.
 
 The activation figures are bytes per token per layer, fitted to peaks measured with the bench on
 the development machine (docs/PERFORMANCE.md: "Will it fit"), so they describe PyTorch 2.13's
@@ -228,7 +229,7 @@ def rows_per_micro_batch(config: Config) -> int:
 
 def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> dict[str, float]:
     """Each rank's own GB by part: the adapter and its optimizer state, activations, the loss
-    head's buffers, the dequantization buffer, the process."""
+    head's buffers, the dequantization buffers, the process."""
     bytes_per = 2 if compute == "bfloat16" else 4
     sequences = rows_per_micro_batch(config)
     tokens = _tokens(config)
@@ -261,8 +262,11 @@ def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> 
     else:
         rank["full logits"] = tokens * parts.vocab * 4 * 3 / GB
     if config.model.quantize != "none":
+        # A scratch slot per linear of a decoder layer (one layer's weights in the compute
+        # dtype, cpudist.model.quantize._Scratch), plus the eager int4 unpack's codes.
         largest = max(out * in_ for out, in_ in parts.linear_shapes)
-        rank["dequantization buffer"] = largest * (bytes_per + 1) / GB
+        one_layer = max(largest, parts.linears / max(parts.layers, 1))
+        rank["dequantization buffers"] = (one_layer * bytes_per + largest) / GB
     rank["process"] = PROCESS_GB
     return rank
 

@@ -170,3 +170,63 @@ def test_smollm2_trained_on_a_quantized_base_ends_near_the_bf16_run(
     assert len(totals) == 1, totals  # quantized weights still count as the model's parameters
     assert losses["int8"] == pytest.approx(losses["none"], rel=0.03), losses
     assert losses["int4"] == pytest.approx(losses["none"], rel=0.06), losses
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_checkpointed_backward_reuses_the_recomputed_weights_and_gets_the_same_gradients(
+        method: str, tiny_qwen: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With activation checkpointing a layer's backward takes the weights its recomputed forward
+    left in the scratch slots: fewer dequantizations, the same gradients as dequantizing every
+    time (bf16, the weights the GEMMs read are the same values either way)."""
+    from dataclasses import replace
+
+    from cpudist.model import quantize
+
+    torch.manual_seed(0)
+    model, _, _ = build_model(
+        Config(model=ModelConfig(path=str(tiny_qwen), dtype="float32", quantize=method,
+                                 quantize_group=32, cache_dir=str(tmp_path),
+                                 gradient_checkpointing=True),
+               lora=LoraConfig(r=4, dropout=0.0)), choose_precision("float32"))
+    model.train()
+    filled: list[int] = []
+    real = METHODS[method]
+    monkeypatch.setitem(METHODS, method, replace(real, operand=lambda stored, out: (
+        filled.append(1), real.operand(stored, out))[-1]))
+    batch = collate(random_split([12, 9], model.config.vocab_size), [0, 1], pad_id=0)
+    loss = CausalLMLoss(model, 4)
+    quantize._Scratch.slots.clear()
+    _, _, reused = loss_and_grads(loss, batch)
+    with_reuse = len(filled)
+    filled.clear()
+    lookup = quantize._Scratch.operand.__func__  # type: ignore[attr-defined]
+
+    def every_time(cls: type, layer: QuantizedLinear) -> torch.Tensor:
+        cls.slots.clear()
+        return lookup(cls, layer)
+
+    monkeypatch.setattr(quantize._Scratch, "operand", classmethod(every_time))
+    _, _, fresh = loss_and_grads(loss, batch)
+    linears = sum(isinstance(m, QuantizedLinear) for m in model.modules())
+    assert len(filled) == 3 * linears  # forward, recomputed forward, backward
+    assert with_reuse <= 2 * linears  # the backward found the recomputed weights
+    assert fresh.keys() == reused.keys()
+    for name, grad in fresh.items():
+        torch.testing.assert_close(reused[name], grad, msg=name)
+
+
+def test_the_compiled_int4_unpack_restores_what_the_eager_one_does() -> None:
+    """Weights of 2^20 values and more unpack in one compiled pass (fp32, rounded once): within
+    one bf16 unit of the eager unpack's two roundings."""
+    from cpudist.model import quantize
+
+    torch.manual_seed(2)
+    stored = METHODS["int4"].quantize(torch.randn(1024, 1024) * 0.02, 64, torch.bfloat16)
+    eager, compiled = (torch.empty(1024, 1024, dtype=torch.bfloat16) for _ in range(2))
+    quantize._dequantize_int4(stored, eager)
+    assert quantize._CompiledUnpack.run(stored, compiled), quantize._CompiledUnpack.problem
+    # One unit in the last place of the largest values (below 0.125: 2^-11), where the eager
+    # unpack's rounded product and sum can land a unit away; elsewhere they agree.
+    assert eager.abs().max() < 0.125
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=2 ** -11)
+    assert (compiled == eager).float().mean() > 0.5
