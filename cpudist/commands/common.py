@@ -136,18 +136,26 @@ def trained_model(choice: ModelChoice, dtype: str | None,
         base = str(base_dir)
     wanted = {"model.dtype": dtype, "model.quantize": choice.quantize,
               "model.quantize_group": choice.quantize_group, **(settings or {})}
-    chosen = _settings_from_run(adapter, wanted)
+    chosen = _settings_from_run(adapter or _trained_in_full(base), wanted)
     model = ModelConfig(path=base, dtype=chosen.pop("model.dtype"),
                         quantize=chosen.pop("model.quantize"),
                         quantize_group=chosen.pop("model.quantize_group"))
     return TrainedModel(model, adapter, chosen)
 
 
-def _settings_from_run(adapter: Path | None, wanted: dict[str, Any]) -> dict[str, Any]:
-    """Each wanted setting: its flag's value, else the adapter's run's, else the default."""
+def _trained_in_full(base: str) -> Path | None:
+    """OUTPUT/model (or a checkpoint's model/) of a peft.method=full run, whose run config sits
+    beside it as beside an adapter; None for any other base."""
+    path = Path(base).expanduser()
+    return path if path.name == "model" and (path.parent / "config.yaml").is_file() else None
+
+
+def _settings_from_run(trained: Path | None, wanted: dict[str, Any]) -> dict[str, Any]:
+    """Each wanted setting: its flag's value, else the run's that trained `trained` (an adapter,
+    or a model trained in full), else the default."""
     from cpudist.config import Config
 
-    run, path = adapter_run_config(adapter) if adapter else (None, None)
+    run, path = adapter_run_config(trained) if trained else (None, None)
     source = run or Config()
     chosen, taken = {}, []
     for key, value in wanted.items():

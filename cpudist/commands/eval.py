@@ -22,6 +22,7 @@ from cpudist.commands.common import (
 from cpudist.errors import UserError
 
 if TYPE_CHECKING:
+    from cpudist.config import ModelConfig
     from cpudist.records import (
         ClassificationReport,
         DataEvalResult,
@@ -130,7 +131,7 @@ def evaluate_data(choice: ModelChoice, data: str | Path, *, data_format: str | N
                         system_prompt=settings["data.system_prompt"], val_fraction=0.0),
         train=TrainConfig(batch_size=settings["train.batch_size"], eval_batches=max_batches),
         preference=PreferenceConfig(beta=settings["preference.beta"]))
-    classifier = _is_classifier(chosen.adapter, settings["data.format"])
+    classifier = _is_classifier(chosen.model, chosen.adapter, settings["data.format"])
     with start_process(DistConfig()) as process:
         session = open_session(config, process, chosen.adapter)
         if classifier:
@@ -148,19 +149,23 @@ def _given(adapter: str | Path | None) -> str | None:
     return None if adapter is None else str(adapter)
 
 
-def _is_classifier(adapter: Path | None, data_format: str) -> bool:
-    """Whether --adapter is a classifier (scored on classification rows); a classification file
-    with a generative model, or the reverse, is a one-line error."""
+def _is_classifier(model: ModelConfig, adapter: Path | None, data_format: str) -> bool:
+    """Whether base + adapter (or a base trained in full) is a classifier, scored on
+    classification rows; a classification file with a generative model, or the reverse, is a
+    one-line error."""
+    from cpudist.infer.session import trained_head
     from cpudist.model.adapters import SEQ_CLS
-    from cpudist.model.provenance import saved_head
 
-    classifier = adapter is not None and saved_head(adapter).task == SEQ_CLS
+    classifier = trained_head(model, adapter).task == SEQ_CLS
+    which = f"--adapter {adapter}" if adapter is not None else f"--base {model.path}"
     if classifier and data_format != "classification":
-        raise UserError(f"--adapter {adapter} is a classifier; evaluate it on rows of "
-                        "--format classification ({'text': ..., 'label': ...})")
+        raise UserError(f"{which} is a classifier; evaluate it on rows of --format "
+                        "classification ({'text': ..., 'label': ...})")
     if not classifier and data_format == "classification":
-        raise UserError("--format classification scores a classifier: pass --adapter OUTPUT/"
-                        "adapter of a run with train.objective=classification")
+        raise UserError(f"--format classification scores a classifier and {which} generates "
+                        "text: pass --adapter OUTPUT/adapter of a run with "
+                        "train.objective=classification (or --base OUTPUT/model of one trained "
+                        "with peft.method=full)")
     return classifier
 
 
@@ -172,7 +177,7 @@ def evaluate_task_file(choice: ModelChoice, task_file: str | Path, *, out: str |
     (None: nowhere, no adapter run directory and no out)."""
     from cpudist.config import Config, DistConfig
     from cpudist.data.tasks import load_task
-    from cpudist.infer.session import open_session
+    from cpudist.infer.session import check_generative_model, open_session
     from cpudist.infer.tasks import evaluate_task
     from cpudist.records import TaskEvalResult
     from cpudist.report.metrics import EVAL_FILE, read_eval, write_eval
@@ -182,6 +187,7 @@ def evaluate_task_file(choice: ModelChoice, task_file: str | Path, *, out: str |
     check_positive("max_new_tokens", max_new_tokens)
     task = load_task(str(task_file))  # a bad file fails before the model loads
     chosen = trained_model(choice, dtype, {"data.system_prompt": system})
+    check_generative_model(chosen.model, chosen.adapter, "cpudist eval --task")
     system = chosen.settings["data.system_prompt"]
     run_dir = run_dir_of(chosen.adapter) if chosen.adapter else None
     target = Path(out) if out else (run_dir / EVAL_FILE if run_dir else None)

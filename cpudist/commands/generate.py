@@ -48,15 +48,14 @@ def generate_answer(choice: ModelChoice, prompt: str, *, system: str | None = No
     (stream: printed to stdout token by token as well)."""
     from cpudist.config import Config, DistConfig
     from cpudist.infer.generate import generate, prompt_ids
-    from cpudist.infer.session import open_session
-    from cpudist.model.adapters import check_generative
+    from cpudist.infer.session import check_generative_model, open_session
     from cpudist.runtime.process import start_process
 
     check_positive("max_new_tokens", max_new_tokens)
     if not isinstance(temperature, int | float) or temperature < 0:
         raise UserError(f"temperature={temperature!r}: give 0 (greedy) or more")
     chosen = trained_model(choice, dtype, {"data.system_prompt": system})
-    check_generative(chosen.adapter, "cpudist generate")
+    check_generative_model(chosen.model, chosen.adapter, "cpudist generate")
     with start_process(DistConfig()) as process:
         session = open_session(Config(model=chosen.model), process, chosen.adapter)
         ids = prompt_ids(session.tokenizer, prompt, chosen.settings["data.system_prompt"])

@@ -16,14 +16,20 @@ from cpudist.commands.common import (
 )
 
 HELP = "a trained classifier's labels and scores for the rows of a file"
+NOT_A_CLASSIFIER = ("cpudist predict needs a classifier: --adapter OUTPUT/adapter of a run with "
+                    "train.objective=classification, or --base OUTPUT/model of one trained with "
+                    "peft.method=full")
 DESCRIPTION = ("Each row of --data (a 'text' field, optionally 'text_pair'; other fields are kept, "
                "a given 'label'/'labels' as given_label/given_labels) is written to --out with the "
                "predicted 'label' (or, multi-label, 'labels': those at or above their threshold "
-               "in the adapter's classification.json) and every label's probability in 'scores'.")
+               "in the classifier's classification.json) and every label's probability in "
+               "'scores'. The classifier: --adapter DIR, or --base OUTPUT/model of a classifier "
+               "trained with peft.method=full (any transformers *ForSequenceClassification "
+               "directory works too).")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, adapter_required=True)
+    add_model_arguments(parser)
     parser.add_argument("--data", required=True, metavar="FILE",
                         help=".jsonl/.json/.parquet or a saved datasets directory of rows with "
                              "'text'")
@@ -51,27 +57,28 @@ def predict_file(choice: ModelChoice, data: str | Path, out: str | Path | None =
     from cpudist.config import Config, DataConfig, DistConfig
     from cpudist.errors import UserError
     from cpudist.infer.classify import predict_rows, write_predictions
-    from cpudist.infer.session import open_session
-    from cpudist.model.adapters import SEQ_CLS, saved_task
+    from cpudist.infer.session import open_session, trained_head
+    from cpudist.model.adapters import SEQ_CLS
     from cpudist.runtime.process import start_process
 
-    if choice.adapter is None:
-        raise UserError("predict needs a classifier: pass --adapter DIR (OUTPUT/adapter of a run "
-                        "with train.objective=classification)")
+    if choice.adapter is None and choice.base is None:
+        raise UserError(NOT_A_CLASSIFIER)
     check_positive("batch_size", batch_size)
     check_positive("max_length", max_length)
     chosen = trained_model(choice, dtype, {"train.batch_size": batch_size,
                                            "data.max_length": max_length})
-    assert chosen.adapter is not None
-    if saved_task(chosen.adapter) != SEQ_CLS:
-        raise UserError(f"--adapter {chosen.adapter} is not a classifier (it generates text); use "
-                        "`cpudist generate`, or train one with train.objective=classification")
+    if trained_head(chosen.model, chosen.adapter).task != SEQ_CLS:
+        given = (f"--adapter {chosen.adapter}" if chosen.adapter is not None
+                 else f"--base {chosen.model.path}")
+        raise UserError(f"{given} is not a classifier (it generates text; use `cpudist "
+                        f"generate`). {NOT_A_CLASSIFIER}")
     settings = chosen.settings
     config = Config(model=chosen.model, data=DataConfig(
         path=str(data), format="classification", max_length=settings["data.max_length"]))
     with start_process(DistConfig()) as process:
         session = open_session(config, process, chosen.adapter)
-        rows = predict_rows(session, chosen.adapter, settings["train.batch_size"])
+        rows = predict_rows(session, chosen.adapter or session.model_dir,
+                            settings["train.batch_size"])
     if out is not None:
         write_predictions(rows, Path(out))
     return rows

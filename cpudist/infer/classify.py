@@ -71,13 +71,14 @@ def _unlabelled(path: Path, tokenizer: Any, max_length: int
         yield row, tokenize_text(tokenizer, record.text, record.text_pair, max_length)[0]
 
 
-def predict_rows(session: Session, adapter_dir: Path, batch_size: int) -> list[dict[str, Any]]:
+def predict_rows(session: Session, classifier_dir: Path, batch_size: int
+                 ) -> list[dict[str, Any]]:
     """Each row of data.path with the predicted label ("label"; "labels" for a multi-label
-    classifier, those at or above their label's threshold) and every label's probability
-    ("scores")."""
+    classifier, those at or above their label's threshold in classifier_dir's
+    classification.json) and every label's probability ("scores")."""
     head = session.head
     thresholds = [DEFAULT_THRESHOLD] * len(head.labels)
-    saved = adapter_dir / CLASSIFICATION_FILE
+    saved = classifier_dir / CLASSIFICATION_FILE
     if head.multi_label and saved.is_file():
         thresholds = ClassificationReport.read(saved).thresholds or thresholds
     rows = list(_unlabelled(_data_path(session), session.tokenizer, session.config.data.max_length))

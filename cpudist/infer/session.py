@@ -9,9 +9,15 @@ from typing import Any
 
 from torch import nn
 
-from cpudist.config import Config
+from cpudist.config import Config, ModelConfig
 from cpudist.model.adapters import resolve_adapter
-from cpudist.model.load import LM_HEAD, Head, load_for_inference
+from cpudist.model.load import (
+    LM_HEAD,
+    Head,
+    declared_head,
+    load_for_inference,
+    model_path_of_flag,
+)
 from cpudist.model.provenance import saved_head
 from cpudist.runtime.precision import Precision, choose_precision
 from cpudist.runtime.process import Process
@@ -40,7 +46,27 @@ def open_session(config: Config, process: Process, adapter: str | Path | None = 
     flag: the option that named the base, for errors about it."""
     adapter_dir = resolve_adapter(str(adapter)) if adapter else None  # fail before the slow load
     precision = choose_precision(config.model.dtype)
-    head = saved_head(adapter_dir) if adapter_dir is not None else LM_HEAD
+    head = trained_head(config.model, adapter_dir, flag)
     model, tokenizer, model_dir = load_for_inference(config.model, adapter_dir, precision, flag,
                                                      head)
     return Session(config, process, precision, model, tokenizer, model_dir, head)
+
+
+def trained_head(model: ModelConfig, adapter_dir: Path | None, flag: str = "--base") -> Head:
+    """What base (+ adapter) computes: the saved adapter's head, or without one the base's own (a
+    classifier trained with peft.method=full scores labels). flag: the option naming the base."""
+    if adapter_dir is not None:
+        return saved_head(adapter_dir)
+    return declared_head(model_path_of_flag(model, flag))
+
+
+def check_generative_model(model: ModelConfig, adapter_dir: Path | None, what: str) -> None:
+    """A one-line error when base (+ adapter) is a classifier: `what` (a command) needs text out."""
+    from cpudist.errors import UserError
+    from cpudist.model.adapters import SEQ_CLS, check_generative
+
+    check_generative(adapter_dir, what)
+    if adapter_dir is None and trained_head(model, None).task == SEQ_CLS:
+        raise UserError(f"{what}: {model.path} is a classifier (its head scores labels; it writes "
+                        f"no text); run it with `cpudist predict --base {model.path} --data FILE` "
+                        "or `cpudist eval`")

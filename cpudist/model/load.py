@@ -74,6 +74,21 @@ class Head:
 LM_HEAD = Head()
 
 
+def declared_head(path: Path) -> Head:
+    """The head a model directory's own weights carry: a sequence classifier (OUTPUT/model of a
+    classifier trained with peft.method=full, or any transformers *ForSequenceClassification
+    checkpoint) scores the labels of its config's id2label; anything else predicts tokens."""
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    if not any(str(name).endswith("ForSequenceClassification")
+               for name in config.get("architectures") or ()):
+        return LM_HEAD
+    names = config.get("id2label") or {}
+    return Head(SEQ_CLS, tuple(str(names[str(i)]) for i in range(len(names))),
+                config.get("problem_type") == "multi_label_classification")
+
+
 def _convert_builtin(name: str, target: Path) -> None:
     """Convert the packaged GGUF once into a plain safetensors HF directory (atomic rename)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -297,15 +312,20 @@ def _full_model(config: Config, path: Path, precision: Precision, head: Head) ->
     return model
 
 
+def model_path_of_flag(config: ModelConfig, flag: str) -> Path:
+    """resolve_model_path for a command whose base came from a flag, which its errors name."""
+    try:
+        return resolve_model_path(config)
+    except UserError as exc:  # resolve_model_path speaks of the config key; here it is a flag
+        raise UserError(str(exc).replace(f"model.path={config.path!r}", f"{flag} {config.path}")
+                        ) from exc
+
+
 def load_for_inference(config: ModelConfig, adapter_dir: Path | None, precision: Precision,
                        flag: str = "--base", head: Head = LM_HEAD) -> tuple[nn.Module, Any, Path]:
     """What eval, generate and merge load: (base + saved adapter when given, tokenizer, model dir),
     in eval mode. Errors about the model path name `flag`, the option the user gave it with."""
-    try:
-        path = resolve_model_path(config)
-    except UserError as exc:  # resolve_model_path speaks of the config key; here it is a flag
-        raise UserError(str(exc).replace(f"model.path={config.path!r}", f"{flag} {config.path}")
-                        ) from exc
+    path = model_path_of_flag(config, flag)
     tokenizer = load_tokenizer(path, config.trust_remote_code)
     if head.task == SEQ_CLS:  # a decoder's classifier finds each row's end by the pad id
         head = replace(head, pad_token_id=tokenizer.pad_token_id)

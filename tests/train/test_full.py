@@ -133,12 +133,15 @@ def test_plan_counts_full_weights_gradients_and_sharded_optimizer(tiny_llama: Pa
     assert advise(config, parts, 2, node, "float32")[0] == "train.zero=true"
 
 
-def test_full_classifier_trains_head_and_backbone_and_orpo_trains(
+def test_full_classifier_trains_evaluates_predicts_and_orpo_trains(
         tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from transformers import AutoModelForSequenceClassification
+    """A classifier trained in full: head and backbone move; `eval`/`predict --base OUTPUT/model`
+    score it as the run did and as plain transformers does; `generate` refuses it."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from cpudist.records import read_summary
     from tests.objectives.test_preference import unique_pairs_file
-    from tests.train.test_classification import classifier_overrides, topic_files
+    from tests.train.test_classification import TOPICS, classifier_overrides, topic_files
 
     train, val = topic_files(tmp_path)
     out = tmp_path / "classifier"
@@ -154,6 +157,31 @@ def test_full_classifier_trains_head_and_backbone_and_orpo_trains(
     layer = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(dict(model.named_parameters())[layer],
                            dict(start.named_parameters())[layer])  # the backbone trained too
+
+    # eval takes the run's settings from OUTPUT/config.yaml and gives its last figures.
+    evaluated = cli_in_process(capsys, ["eval", "--base", saved, "--data", val, "--json"])
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    figures, summary = json.loads(evaluated.stdout)["figures"], read_summary(out / "summary.json")
+    assert summary is not None
+    assert figures["val_loss"] == pytest.approx(summary.eval_after["val_loss"], rel=1e-5)
+    assert figures["val_accuracy"] == summary.eval_after["val_accuracy"]
+    predictions = tmp_path / "preds.jsonl"
+    done = cli_in_process(capsys, ["predict", "--base", saved, "--data", val, "--out",
+                                   predictions, "--batch-size", "5"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in predictions.read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(saved)
+    model.eval()
+    with torch.no_grad():  # plain transformers, one text at a time
+        theirs = torch.cat([model(**tokenizer(row["text"], return_tensors="pt")).logits.softmax(-1)
+                            for row in rows])
+    ours = torch.tensor([[row["scores"][name] for name in sorted(TOPICS)] for row in rows])
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+    refused = cli_in_process(capsys, ["generate", "--base", saved, "hello"])
+    assert refused.returncode == 2 and "is a classifier" in refused.stderr
+    refused = cli_in_process(capsys, ["predict", "--base", tiny_llama, "--data", val, "--out",
+                                      tmp_path / "no.jsonl"])
+    assert refused.returncode == 2 and "is not a classifier" in refused.stderr
 
     pairs = tiny_overrides(tiny_llama, unique_pairs_file(tmp_path / "pairs.jsonl"),
                            tmp_path / "orpo", peft__method="full", data__format="preference",
