@@ -172,7 +172,7 @@ def trainable_head_loss_gb(config: Config, parts: Parts, tokens: int, bytes_per:
     in flight: in backward the fp32 gradient of the log-probabilities and of the logits, and in
     bf16 the cast back to the head's dtype (forward's bf16 logits and fp32 copy are less).
     Measured: SmolLM2-135M, 2 x 512 tokens, bf16: the head's step adds 0.50 GB to the rank's RSS
-    (docs/PERFORMANCE.md, "the sharded optimizer"); this counts 0.42 of it."""
+    (docs/PERFORMANCE.md, "Will it fit"); this counts 0.42 of it."""
     rows = min(config.train.loss_chunk_size, tokens)
     in_flight = rows * parts.vocab * (8 + (2 if bytes_per == 2 else 0))
     return (tokens * parts.vocab * 4 + in_flight) / GB
