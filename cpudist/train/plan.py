@@ -158,8 +158,24 @@ def full_training_gb(config: Config, parts: Parts, ranks_per_node: int, compute:
             "AdamW moments" + (f" (1/{shards}, train.zero)" if shards > 1 else ""):
                 total * 8 / shards / GB}
     if compute == "bfloat16":
-        rank["bf16 weight copies (autocast)"] = (parts.linears + parts.head) * 2 / GB
+        # A tied head is the embedding's weight: autocast casts (and caches) it for the head's
+        # matmul like any linear's, though the lookup itself reads the fp32 rows.
+        head = parts.embedding if parts.tied else parts.head
+        rank["bf16 weight copies (autocast)"] = (parts.linears + head) * 2 / GB
     return rank
+
+
+def trainable_head_loss_gb(config: Config, parts: Parts, tokens: int, bytes_per: int) -> float:
+    """The loss head when it trains (peft.method=full): cpudist.model.loss.chunked_lm_loss runs
+    plain autograd over the label rows, a chunk at a time, and cross-entropy's log_softmax keeps
+    its fp32 output of every label row for backward (tokens x vocab x 4 bytes). On top, the chunk
+    in flight: in backward the fp32 gradient of the log-probabilities and of the logits, and in
+    bf16 the cast back to the head's dtype (forward's bf16 logits and fp32 copy are less).
+    Measured: SmolLM2-135M, 2 x 512 tokens, bf16: the head's step adds 0.50 GB to the rank's RSS
+    (docs/PERFORMANCE.md, "Will it fit"); this counts 0.42 of it."""
+    rows = min(config.train.loss_chunk_size, tokens)
+    in_flight = rows * parts.vocab * (8 + (2 if bytes_per == 2 else 0))
+    return (tokens * parts.vocab * 4 + in_flight) / GB
 
 
 def _tokens(config: Config) -> int:
@@ -253,7 +269,10 @@ def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> 
         holding = 1 if config.model.gradient_checkpointing else parts.layers
         rank["attention scores (eager)"] = EAGER_SCORE_BYTES * scores * (holding + 1) / GB
     chunk = config.train.loss_chunk_size
-    if chunk:
+    if chunk and config.peft.method == "full":
+        rank["loss head (trains)"] = trainable_head_loss_gb(
+            config, parts, tokens, bytes_per)
+    elif chunk:
         rows = min(chunk, tokens)
         # The chunk's logits in the compute dtype, plus (bf16) the few rows whose softmax is
         # taken in fp32 at a time (cpudist.model.loss.softmax_rows; 64 covers 32 threads).

@@ -133,6 +133,43 @@ def test_plan_counts_full_weights_gradients_and_sharded_optimizer(tiny_llama: Pa
     assert advise(config, parts, 2, node, "float32")[0] == "train.zero=true"
 
 
+def test_plan_counts_what_a_trainable_loss_head_keeps_for_backward(tiny_llama: Path,
+                                                                    chat_file: Path,
+                                                                    tmp_path: Path) -> None:
+    from cpudist.model.loss import chunked_lm_loss
+    from cpudist.train.plan import GB, estimate, model_parts
+
+    config = load_config(None, tiny_overrides(tiny_llama, chat_file, tmp_path, peft__method="full",
+                                              train__loss_chunk_size=100))
+    parts = model_parts(config)
+    batch, length = config.train.batch_size, config.data.max_length
+    head = AutoModelForCausalLM.from_pretrained(tiny_llama).lm_head  # trains, as in full
+    hidden = torch.randn(batch, length, parts.hidden, requires_grad=True)
+    labels = torch.randint(0, parts.vocab, (batch, length))
+    kept: dict[int, int] = {}  # vocabulary-wide tensors autograd saves for backward, by storage
+    weight = head.weight.untyped_storage().data_ptr()  # the weight itself is counted elsewhere
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage().data_ptr()
+        if tensor.dim() and tensor.shape[-1] == parts.vocab and storage != weight:
+            kept[storage] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        chunked_lm_loss(hidden, head, labels, config.train.loss_chunk_size)
+    plan = estimate(config, parts, 1, (64.0, "test"), "float32").rank_gb["loss head (trains)"]
+    in_flight = 100 * parts.vocab * 8  # the chunk being differentiated, fp32
+    # Every label row's fp32 log-probabilities; the plan counts every position (labels shift by
+    # one, so a sequence has one label row less).
+    assert sum(kept.values()) == batch * (length - 1) * parts.vocab * 4
+    assert plan * GB - in_flight == pytest.approx(sum(kept.values()) + batch * parts.vocab * 4)
+    bf16 = estimate(config, parts, 1, (64.0, "test"), "bfloat16").rank_gb
+    assert bf16["loss head (trains)"] * GB == pytest.approx(plan * GB + 100 * parts.vocab * 2)
+    # The tied head's weight is cast to bf16 by autocast like every linear's.
+    assert parts.tied and bf16["bf16 weight copies (autocast)"] == pytest.approx(
+        (parts.linears + parts.embedding) * 2 / GB)
+
+
 def test_full_classifier_trains_evaluates_predicts_and_orpo_trains(
         tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A classifier trained in full: head and backbone move; `eval`/`predict --base OUTPUT/model`
