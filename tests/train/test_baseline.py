@@ -57,3 +57,19 @@ def test_what_the_baseline_depends_on_computes_it_again(
     log, _ = _train(capsys, tiny_llama, chat_file, tmp_path / "b", data__val_path=held_out, **extra)
     assert "baseline evaluation: computed" in log
     assert len(list((tmp_path / "data-cache" / "baseline").glob("*.json"))) == 2
+
+
+def test_a_cut_short_or_foreign_record_is_not_read(tmp_path: Path) -> None:
+    """A record cut off while written, or one stored under another key's name, is computed again
+    (read gives None), never trusted."""
+    from cpudist.records import BaselineEvaluation
+
+    record = BaselineEvaluation(key="abc", figures={"val_loss": 2.5}, samples=8, seconds=1.0)
+    path = tmp_path / "abc.json"
+    path.write_text(json.dumps(record.to_json()))
+    assert BaselineEvaluation.read(path) == record
+    path.write_text(json.dumps(record.to_json())[:20])
+    assert BaselineEvaluation.read(path) is None
+    (tmp_path / "other.json").write_text(json.dumps(record.to_json()))
+    assert BaselineEvaluation.read(tmp_path / "other.json") is None
+    assert BaselineEvaluation.read(tmp_path / "missing.json") is None
