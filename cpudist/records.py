@@ -7,6 +7,7 @@
   file: PreferenceEvalResult) and `--task` (OUTPUT/eval.json).
 - ClassificationReport: a classifier's labels, thresholds and validation figures
   (ADAPTER/classification.json, `cpudist eval --data` on classification rows).
+- BaselineEvaluation: the untrained model's validation figures, cached beside the tokenized data.
 - ExportedGGUF: the file `cpudist export` wrote.
 - BenchResult: the figures of one `cpudist bench` run (or of its HF peer), computed for both by
   cpudist.bench.figures.throughput_figures.
@@ -230,6 +231,34 @@ def read_summary(path: Path) -> RunSummary | None:
         raise UserError(f"{path}: not a summary (a JSON object is expected); remove it and run "
                         "`cpudist report` again")
     return RunSummary.from_json(loaded)
+
+
+@dataclass
+class BaselineEvaluation:
+    """The untrained model's validation figures, cached under data.cache_dir/baseline/
+    (cpudist.train.baseline): the key they were made for, the figures, the samples evaluated and
+    the seconds the evaluation took."""
+
+    key: str
+    figures: dict[str, float]
+    samples: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def read(cls, path: Path) -> BaselineEvaluation | None:
+        """The record at path; None when there is none, or it is cut short or not one (the
+        figures are then computed again)."""
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            record = cls(**_known(cls, data))
+        except (OSError, ValueError, TypeError):
+            return None
+        if record.key != path.stem or not isinstance(record.figures, dict):
+            return None
+        return record
 
 
 # --------------------------------------------------------------------------- cpudist export

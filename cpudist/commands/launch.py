@@ -60,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     program = list(args.program)
     if program and program[0] == "--":
         program = program[1:]
+    if args.quiet and program and "--quiet" not in program:
+        # Every command takes --quiet, launch too: given to launch it can only mean the ranks'
+        # progress lines (launch has none of its own).
+        program = [program[0], "--quiet", *program[1:]]
     if args.note_restart is not None:
         restart_recorder(program)(args.note_restart, args.reason)
         return 0

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, overload
 
 from cpudist.config import DataConfig
+from cpudist.data.chat_spans import derived_renders
 from cpudist.data.formats import Messages, to_sample
 from cpudist.data.read import resolve_data_paths
 from cpudist.data.shards import Job, plan_shards, run_job
@@ -53,8 +54,12 @@ def render_chat(tokenizer: Any, messages: Messages, generation_prompt: bool) -> 
                         "and assistant turns to alternate)") from None
 
 
-def _tokenize_conversation(tokenizer: Any, messages: Messages) -> tuple[list, list, bool]:
-    """tokenize_conversation's ids and labels, and whether only the last answer carries loss."""
+def _tokenize_conversation(tokenizer: Any, messages: Messages, derive: bool = True
+                           ) -> tuple[list, list, bool]:
+    """tokenize_conversation's ids and labels, and whether only the last answer carries loss.
+
+    Every prompt and prompt + answer is rendered; where the template allows (chat_spans.py)
+    those renders are cut from one render of the whole (derive=False: always render each)."""
     if tokenizer.chat_template is None:
         prompt = ALPACA_TEMPLATE.format(
             instruction="\n\n".join(m["content"] for m in messages if m["role"] != "assistant"))
@@ -63,10 +68,13 @@ def _tokenize_conversation(tokenizer: Any, messages: Messages) -> tuple[list, li
                                    add_special_tokens=True)
         return ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id], False
 
-    def render(upto: int, generation_prompt: bool) -> str:
+    def exact(upto: int, generation_prompt: bool) -> str:
         return render_chat(tokenizer, messages[:upto], generation_prompt)
 
     answers = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    render = exact
+    if derive and answers and answers[0] > 0:
+        render = derived_renders(tokenizer, messages, answers[-1] + 1) or exact
     spans: list[tuple[int, int]] = []
     done = ""
     for index in answers:

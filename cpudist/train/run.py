@@ -38,6 +38,7 @@ from cpudist.runtime.hardware import cpu_info
 from cpudist.runtime.memory import peak_rss_gb
 from cpudist.runtime.process import Process, start_process
 from cpudist.train import checkpoint, faults
+from cpudist.train.baseline import baseline_evaluation
 from cpudist.train.engine import Engine, StepResult, build_engine
 from cpudist.train.output import (
     note_restart,
@@ -207,7 +208,7 @@ def set_up(resolved: Resolved, process: Process, stop: StopFlag, started: float)
     data = engine.data
     times = TimeSplit(data_s=data.seconds, data_cached=bool(data.counts.get("cache_hit")))
     times.setup_s = time.perf_counter() - started - times.data_s
-    before = {} if resumed else timed_evaluation(engine, times)
+    before = {} if resumed else timed_evaluation(engine, times, baseline=True)
     if before:
         log.info("validation before training: %s", describe(before))
         if trackers is not None:
@@ -217,10 +218,11 @@ def set_up(resolved: Resolved, process: Process, stop: StopFlag, started: float)
                answers, times, started)
 
 
-def timed_evaluation(engine: Engine, times: TimeSplit) -> dict[str, float]:
-    """engine.evaluate(), its seconds added to the run's validation time."""
+def timed_evaluation(engine: Engine, times: TimeSplit, baseline: bool = False) -> dict[str, float]:
+    """engine.evaluate(), its seconds added to the run's validation time; baseline: the untrained
+    model's, read from the cache where an earlier run made them (cpudist.train.baseline)."""
     began = time.perf_counter()
-    figures = engine.evaluate()
+    figures = baseline_evaluation(engine)[0] if baseline else engine.evaluate()
     times.eval_s += time.perf_counter() - began
     return figures
 

@@ -16,7 +16,7 @@ from cpudist.errors import UserError
 from cpudist.launch import hostfile as hf
 from cpudist.launch import mpi as launcher
 from cpudist.launch.mpi import MpiInfo, build_command
-from tests.helpers import REPO, venv_mpirun
+from tests.helpers import REPO, cli_in_process, venv_mpirun
 
 OMPI = MpiInfo("openmpi", "/opt/mpi/bin/mpirun", "mpirun (Open MPI) 5.0.11")
 MPICH = MpiInfo("mpich", "/opt/mpich/bin/mpiexec", "HYDRA build details:")
@@ -247,6 +247,18 @@ def test_cli_dry_run_prints_a_shell_quoted_command(tmp_path: Path) -> None:
     assert pairs(cmd, "--map-by") == ["slot:PE=2"]
     assert cmd[-5:] == ["-m", "cpudist.cli", "train", "my config.yaml", "train.max_steps=2"]
     assert ("--allow-run-as-root" in cmd) == (os.geteuid() == 0)
+
+
+@pytest.mark.parametrize("where", ["launch", "command"])
+def test_quiet_given_to_launch_reaches_the_ranks_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str) -> None:
+    fake = fake_mpi(tmp_path, "mpirun (Open MPI) 5.0.11")
+    program = ["train", "--quiet", "c.yaml"] if where == "command" else ["train", "c.yaml"]
+    done = cli_in_process(capsys, ["launch", "--quiet", "-np", "2", "--mpirun", fake,
+                                   "--allocator", "none", "--cores-per-node", "4", "--dry-run",
+                                   "--", *program])
+    assert done.returncode == 0, done.stderr
+    assert shlex.split(done.stdout.strip())[-4:] == ["cpudist.cli", "train", "--quiet", "c.yaml"]
 
 
 def test_cli_dry_run_converts_hostfile_for_hydra(tmp_path: Path) -> None:
