@@ -121,19 +121,19 @@ def _update(digest: Any, value: Any) -> None:
         raise _Unhashable(type(value).__qualname__)
 
 
-def baseline_evaluation(engine: Engine) -> tuple[dict[str, float], bool]:
-    """(the untrained model's validation figures, whether they came from the cache): read when
-    every rank has them there, else evaluated by all ranks and cached."""
+def baseline_evaluation(engine: Engine) -> dict[str, float]:
+    """The untrained model's validation figures: read from the cache when every rank has them
+    there (the log says so), else evaluated by all ranks and cached."""
     key = baseline_key(engine)
     if key is None:
-        return engine.evaluate(), False
+        return engine.evaluate()
     path = Path(engine.config.data.cache_dir) / "baseline" / f"{key}.json"
     stored = BaselineEvaluation.read(path)
     (everywhere,) = allreduce([float(stored is not None)], engine.placement, op="min")
     if everywhere and stored is not None:
         log.info("baseline evaluation: cached (%s..., computed in %.1f s; %s)", key[:12],
                  stored.seconds, path)
-        return stored.figures, True
+        return stored.figures
     began = time.perf_counter()
     figures = engine.evaluate()
     record = BaselineEvaluation(key=key, figures=figures, seconds=time.perf_counter() - began,
@@ -143,4 +143,4 @@ def baseline_evaluation(engine: Engine) -> tuple[dict[str, float], bool]:
             write_text(path, json.dumps(record.to_json(), indent=1))
         log.info("baseline evaluation: computed in %.1f s, cached as %s (%s...)", record.seconds,
                  path, key[:12])
-    return figures, False
+    return figures

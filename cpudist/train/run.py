@@ -222,7 +222,7 @@ def timed_evaluation(engine: Engine, times: TimeSplit, baseline: bool = False) -
     """engine.evaluate(), its seconds added to the run's validation time; baseline: the untrained
     model's, read from the cache where an earlier run made them (cpudist.train.baseline)."""
     began = time.perf_counter()
-    figures = baseline_evaluation(engine)[0] if baseline else engine.evaluate()
+    figures = baseline_evaluation(engine) if baseline else engine.evaluate()
     times.eval_s += time.perf_counter() - began
     return figures
 
