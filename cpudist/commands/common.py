@@ -107,6 +107,11 @@ class TrainedModel:
     adapter: Path | None
     settings: dict[str, Any] = field(default_factory=dict)  # "section.key" -> value
 
+    @property
+    def named(self) -> str:
+        """The model as the user named it, for errors: --adapter DIR, else --base MODEL."""
+        return f"--adapter {self.adapter}" if self.adapter is not None else f"--base {self.model.path}"
+
 
 def trained_model(choice: ModelChoice, dtype: str | None,
                   settings: dict[str, Any] | None = None) -> TrainedModel:

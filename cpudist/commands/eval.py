@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from cpudist.commands.common import (
     ModelChoice,
+    TrainedModel,
     add_model_arguments,
     add_quantize_arguments,
     check_choice,
@@ -22,7 +23,6 @@ from cpudist.commands.common import (
 from cpudist.errors import UserError
 
 if TYPE_CHECKING:
-    from cpudist.config import ModelConfig
     from cpudist.records import (
         ClassificationReport,
         DataEvalResult,
@@ -131,7 +131,7 @@ def evaluate_data(choice: ModelChoice, data: str | Path, *, data_format: str | N
                         system_prompt=settings["data.system_prompt"], val_fraction=0.0),
         train=TrainConfig(batch_size=settings["train.batch_size"], eval_batches=max_batches),
         preference=PreferenceConfig(beta=settings["preference.beta"]))
-    classifier = _is_classifier(chosen.model, chosen.adapter, settings["data.format"])
+    classifier = _is_classifier(chosen, settings["data.format"])
     with start_process(DistConfig()) as process:
         session = open_session(config, process, chosen.adapter)
         if classifier:
@@ -149,20 +149,19 @@ def _given(adapter: str | Path | None) -> str | None:
     return None if adapter is None else str(adapter)
 
 
-def _is_classifier(model: ModelConfig, adapter: Path | None, data_format: str) -> bool:
+def _is_classifier(chosen: TrainedModel, data_format: str) -> bool:
     """Whether base + adapter (or a base trained in full) is a classifier, scored on
     classification rows; a classification file with a generative model, or the reverse, is a
     one-line error."""
     from cpudist.infer.session import trained_head
     from cpudist.model.adapters import SEQ_CLS
 
-    classifier = trained_head(model, adapter).task == SEQ_CLS
-    which = f"--adapter {adapter}" if adapter is not None else f"--base {model.path}"
+    classifier = trained_head(chosen.model, chosen.adapter).task == SEQ_CLS
     if classifier and data_format != "classification":
-        raise UserError(f"{which} is a classifier; evaluate it on rows of --format "
+        raise UserError(f"{chosen.named} is a classifier; evaluate it on rows of --format "
                         "classification ({'text': ..., 'label': ...})")
     if not classifier and data_format == "classification":
-        raise UserError(f"--format classification scores a classifier and {which} generates "
+        raise UserError(f"--format classification scores a classifier and {chosen.named} generates "
                         "text: pass --adapter OUTPUT/adapter of a run with "
                         "train.objective=classification (or --base OUTPUT/model of one trained "
                         "with peft.method=full)")

@@ -68,9 +68,7 @@ def predict_file(choice: ModelChoice, data: str | Path, out: str | Path | None =
     chosen = trained_model(choice, dtype, {"train.batch_size": batch_size,
                                            "data.max_length": max_length})
     if trained_head(chosen.model, chosen.adapter).task != SEQ_CLS:
-        given = (f"--adapter {chosen.adapter}" if chosen.adapter is not None
-                 else f"--base {chosen.model.path}")
-        raise UserError(f"{given} is not a classifier (it generates text; use `cpudist "
+        raise UserError(f"{chosen.named} is not a classifier (it generates text; use `cpudist "
                         f"generate`). {NOT_A_CLASSIFIER}")
     settings = chosen.settings
     config = Config(model=chosen.model, data=DataConfig(
