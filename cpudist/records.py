@@ -469,6 +469,7 @@ class BenchResult:
     losses: list[float] = field(default_factory=list)
     # The gradient allreduce (cpudist.runtime.comm.CommMeter), per timed step.
     comm_mb_per_step: float = 0.0
+    comm_last_bucket_mb: float = 0.0  # of which the last bucket (the input embedding's gradient)
     comm_exposed_s_per_step: float = 0.0
     comm_bus_gbps: float = 0.0
     compute_s_per_rank: list[float] = field(default_factory=list)

@@ -180,6 +180,7 @@ def _communication(comm: list[list[dict[str, float]]], world: int) -> dict[str, 
     mean_compute = statistics.mean(compute)
     return {
         "comm_mb_per_step": comm_bytes / 1e6,
+        "comm_last_bucket_mb": statistics.mean(rank_mean("last_bucket_bytes")) / 1e6,
         "comm_exposed_s_per_step": statistics.mean(rank_mean("exposed_s")),
         "comm_bus_gbps": bus_gbps(comm_bytes, statistics.mean(rank_mean("busy_s")), world),
         "compute_s_per_rank": compute,

@@ -7,11 +7,18 @@ rank (imbalance), plus the gradient allreduce that backward did not hide:
 
     allreduce(bytes) = 2 (P-1)/P * bytes / bandwidth + 2 (P-1) * latency        (ring, P ranks)
 
-DDP sends the gradients in buckets of `bucket_bytes`, each as backward produces it. Buckets are
-taken to become ready evenly through backward, so all but the last can overlap with it; the last
-one never can:
+DDP sends the gradients in buckets of `bucket_bytes`, each as backward produces it, and reduces
+them in order, one at a time. The k buckets are taken to become ready evenly through backward
+(bucket i at backward * i/k), so all but the last can overlap with it; the last one never can:
 
-    exposed = max(allreduce(last bucket), sum of the buckets' allreduces - backward * (k-1)/k)
+    exposed = max over i of (ready_i + the allreduces of buckets i..k) - backward
+
+With equal buckets that is max(allreduce(last bucket), sum of the allreduces - backward (k-1)/k).
+The last bucket is no bucket like the others when the input embedding trains (peft.method=full):
+its gradient is complete only when backward ends (a tied head's with it), and DDP puts a tensor
+bigger than the cap in a bucket of its own, so the embedding's bytes (21 % of SmolLM2-135M's, 28 %
+of Qwen2.5-0.5B's) are exposed whatever the link (`last_bucket_bytes`, measured by
+cpudist.runtime.comm.CommMeter or taken from the shape).
 
 With the optimizer state sharded (train.zero, ZeroRedundancyOptimizer), each rank updates its
 share of the weights after the allreduce and sends it to the others: an all-gather of the fp32
@@ -26,7 +33,6 @@ direction). Loss, jitter and TCP's slow start are not modelled.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +51,9 @@ class StepProfile:
     backward_share: float = 0.5  # of compute_s, the backward (the window buckets can overlap)
     imbalance: float = 0.0  # slowest rank's compute over the mean, minus 1
     param_sync_bytes: float = 0.0  # fp32 weights all-gathered after the step (train.zero)
+    # The bucket DDP reduces last, as sent, when it is not a bucket's worth like the others: the
+    # input embedding's gradient (0: the rest of wire_bytes after full buckets).
+    last_bucket_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -71,16 +80,30 @@ def ring_allreduce_s(nbytes: float, ranks: int, rate_bps: float, latency_s: floa
     return 2 * (ranks - 1) / ranks * nbytes * 8 / rate_bps + 2 * (ranks - 1) * latency_s
 
 
+def bucket_sizes(profile: StepProfile) -> list[float]:
+    """The bytes of DDP's buckets in the order it reduces them, as sent: full buckets, the rest,
+    then the last bucket when the profile names one (unless one bucket holds them all)."""
+    if profile.bucket_bytes >= profile.wire_bytes:
+        return [profile.wire_bytes]
+    last = min(profile.last_bucket_bytes, profile.wire_bytes)
+    rest = profile.wire_bytes - last
+    full = int(rest // profile.bucket_bytes)
+    sizes = [profile.bucket_bytes] * full
+    if rest - full * profile.bucket_bytes > 0:
+        sizes.append(rest - full * profile.bucket_bytes)
+    return [*sizes, last] if last > 0 else sizes
+
+
 def exposed_comm_s(profile: StepProfile, ranks: int, rate_bps: float, latency_s: float) -> float:
     """The allreduce time backward does not hide, over DDP's buckets (see the module's text)."""
     if ranks < 2 or profile.wire_bytes <= 0:
         return 0.0
-    buckets = max(1, math.ceil(profile.wire_bytes / profile.bucket_bytes))
-    last = profile.wire_bytes - (buckets - 1) * profile.bucket_bytes
-    total = (ring_allreduce_s(profile.bucket_bytes, ranks, rate_bps, latency_s) * (buckets - 1)
-             + ring_allreduce_s(last, ranks, rate_bps, latency_s))
-    hidden = profile.compute_s * profile.backward_share * (buckets - 1) / buckets
-    return max(ring_allreduce_s(last, ranks, rate_bps, latency_s), total - hidden)
+    backward = profile.compute_s * profile.backward_share
+    costs = [ring_allreduce_s(size, ranks, rate_bps, latency_s) for size in bucket_sizes(profile)]
+    k = len(costs)
+    # The link finishes the last bucket at the latest of (bucket i ready + buckets i..k in turn).
+    finish = max(backward * (i + 1) / k + sum(costs[i:]) for i in range(k))
+    return finish - backward
 
 
 def allgather_s(nbytes: float, ranks: int, rate_bps: float, latency_s: float) -> float:
@@ -131,7 +154,8 @@ def profile_from_bench(result: BenchResult) -> StepProfile:
         wire_bytes=wire * 1e6,
         bucket_bytes=dist["bucket_cap_mb"] * 1e6 * wire_per_element / 4,
         imbalance=max(ranks) / mean - 1 if mean > 0 else 0.0,
-        param_sync_bytes=result.gradient_mb * 1e6 if zero else 0.0)
+        param_sync_bytes=result.gradient_mb * 1e6 if zero else 0.0,
+        last_bucket_bytes=result.comm_last_bucket_mb * 1e6)
 
 
 # --------------------------------------------------------------------------- a stated machine
@@ -182,6 +206,12 @@ def lora_gradient_bytes(preset: str, rank: int) -> float:
     """fp32 bytes of LoRA's gradients, all-linear (q, k, v, o, gate, up, down) at rank r."""
     _, _, layers, pairs = _linears(preset)
     return 4.0 * rank * sum(a + b for a, b in pairs) * layers
+
+
+def embedding_gradient_bytes(preset: str) -> float:
+    """fp32 bytes of the input embedding's gradient (peft.method=full): DDP's last bucket."""
+    c = SHAPES[preset]
+    return 4.0 * c["vocab_size"] * c["hidden_size"]
 
 
 def full_gradient_bytes(preset: str) -> float:
@@ -252,7 +282,9 @@ def machine_profile(machine: Machine, work: Workload, ranks_per_node: int, bucke
     return StepProfile(compute_s=compute, tokens=work.seq * work.rows,
                        wire_bytes=work.gradient_bytes * wire / 4,
                        bucket_bytes=bucket_cap_mb * 1e6 * wire / 4, imbalance=imbalance,
-                       param_sync_bytes=work.gradient_bytes if zero else 0.0)
+                       param_sync_bytes=work.gradient_bytes if zero else 0.0,
+                       last_bucket_bytes=(embedding_gradient_bytes(work.preset) * wire / 4
+                                          if work.method == "full" else 0.0))
 
 
 # The DDP settings the predicted table compares: (label, bucket MB, compression, train.zero).

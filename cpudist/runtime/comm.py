@@ -221,6 +221,8 @@ class CommMeter:
     measurements on every rank into:
 
     - bytes: gradient bytes allreduced by this rank (as sent: bf16 compression halves them);
+    - last_bucket_bytes: of those, the last bucket's (it holds the input embedding's gradient,
+      ready only when backward ends, so none of it can hide: cpudist.bench.scaling_model);
     - compute_s: from the step's start to the hand-over of its last gradient bucket (this rank's
       forward and backward are done);
     - wait_s: this rank's wait for the slowest: the slowest rank's compute_s minus this rank's
@@ -232,6 +234,7 @@ class CommMeter:
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.last_bucket_bytes = 0
         self.first_launch: float | None = None
         self.last_launch = 0.0
         self.last_done = 0.0
@@ -248,7 +251,10 @@ class CommMeter:
         def measured(state: Any, bucket):  # type: ignore[no-untyped-def]  # see mpi_allreduce_hook
             now = time.perf_counter()
             with self._lock:
-                self.bytes += bucket.buffer().numel() * wire_element_bytes
+                sent = bucket.buffer().numel() * wire_element_bytes
+                self.bytes += sent
+                if bucket.is_last():
+                    self.last_bucket_bytes = sent
                 self.first_launch = now if self.first_launch is None else self.first_launch
                 self.last_launch = now
             future = hook(state, bucket)
@@ -269,8 +275,8 @@ class CommMeter:
 
         now = time.perf_counter()
         with self._lock:
-            figures = {"bytes": float(self.bytes), "compute_s": 0.0, "after_s": 0.0,
-                       "in_flight_s": 0.0}
+            figures = {"bytes": float(self.bytes), "last_bucket_bytes": float(self.last_bucket_bytes),
+                       "compute_s": 0.0, "after_s": 0.0, "in_flight_s": 0.0}
             if started is not None:
                 # No bucket (a single process): the whole step was compute.
                 last = self.last_launch if self.first_launch is not None else now
@@ -278,18 +284,21 @@ class CommMeter:
             if self.first_launch is not None:
                 figures["after_s"] = max(0.0, self.last_done - self.last_launch)
                 figures["in_flight_s"] = max(0.0, self.last_done - self.first_launch)
-            self.bytes, self.first_launch, self.last_launch, self.last_done = 0, None, 0.0, 0.0
+            self.bytes, self.last_bucket_bytes = 0, 0
+            self.first_launch, self.last_launch, self.last_done = None, 0.0, 0.0
         return figures
 
 
 def step_figures(raw: list[dict[str, float]]) -> list[dict[str, float]]:
-    """Every rank's CommMeter.take() of one step (in rank order) -> each rank's bytes, compute_s,
-    wait_s, exposed_s and busy_s as CommMeter defines them. Pure, so the definition is tested."""
+    """Every rank's CommMeter.take() of one step (in rank order) -> each rank's bytes,
+    last_bucket_bytes, compute_s, wait_s, exposed_s and busy_s as CommMeter defines them. Pure,
+    so the definition is tested."""
     slowest = max(r["compute_s"] for r in raw)
     figures = []
     for r in raw:
         wait = slowest - r["compute_s"]
-        figures.append({"bytes": r["bytes"], "compute_s": r["compute_s"], "wait_s": wait,
+        figures.append({"bytes": r["bytes"], "last_bucket_bytes": r["last_bucket_bytes"],
+                        "compute_s": r["compute_s"], "wait_s": wait,
                         "exposed_s": max(0.0, r["after_s"] - wait),
                         "busy_s": max(0.0, r["in_flight_s"] - wait)})
     return figures

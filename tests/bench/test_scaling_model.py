@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cpudist.bench import scaling_model as m
@@ -24,6 +26,21 @@ def test_one_bucket_is_never_hidden_and_small_buckets_are() -> None:
     assert m.exposed_comm_s(four, 2, 1e9, 1e-3) == pytest.approx(0.042)
     # A slow link: 4 x (0.4 + 0.002) = 1.608 s, of which 0.75 s hidden.
     assert m.exposed_comm_s(four, 2, 1e8, 1e-3) == pytest.approx(1.608 - 0.75)
+
+
+def test_the_embeddings_last_bucket_is_exposed_whatever_backward_hides() -> None:
+    # 20 MB: 5 + 5 + 2 MB buckets, then the embedding's 8 MB, handed over when backward (1 s)
+    # ends. 2 ranks at 1 Gbit/s: 0.04, 0.04, 0.016, 0.064 s; all but the embedding's hide.
+    profile = m.StepProfile(compute_s=2.0, tokens=1000, wire_bytes=20e6, bucket_bytes=5e6,
+                            last_bucket_bytes=8e6)
+    assert m.bucket_sizes(profile) == [5e6, 5e6, 2e6, 8e6]
+    assert m.bucket_sizes(dataclasses.replace(profile, bucket_bytes=25e6)) == [20e6]
+    assert m.exposed_comm_s(profile, 2, 1e9, 0.0) == pytest.approx(0.064)
+    # Four even buckets of the same 20 MB would leave only a fifth of that exposed.
+    even = m.StepProfile(compute_s=2.0, tokens=1000, wire_bytes=20e6, bucket_bytes=5e6)
+    assert m.exposed_comm_s(even, 2, 1e9, 0.0) == pytest.approx(0.04)
+    # At 100 Mbit/s the queue dominates: ready at 0.25 s, then 1.6 s of transfers.
+    assert m.exposed_comm_s(profile, 2, 1e8, 0.0) == pytest.approx(0.25 + 1.6 - 1.0)
 
 
 def test_prediction_adds_compute_wait_and_exposed_comm() -> None:
@@ -50,12 +67,13 @@ def test_lora_gradient_bytes_of_the_presets() -> None:
 def test_profile_from_a_bench_result() -> None:
     figures = dict(world_size=2, s_per_step=3.0, tokens_per_s=400.0, comm_exposed_s_per_step=0.2,
                    wait_for_slowest_s=[0.4, 0.0], comm_mb_per_step=8.0, gradient_mb=16.0,
-                   compute_s_per_rank=[2.0, 2.4],
+                   compute_s_per_rank=[2.0, 2.4], comm_last_bucket_mb=3.0,
                    config={"dist": {"grad_compression": "bf16", "bucket_cap_mb": 25.0}})
     p = m.profile_from_bench(bench_result(**figures))
     assert p.compute_s == pytest.approx(3.0 - 0.2 - 0.2)
     assert p.tokens == pytest.approx(600.0) and p.wire_bytes == 8e6
     assert p.bucket_bytes == 12.5e6 and p.imbalance == pytest.approx(2.4 / 2.2 - 1)
+    assert p.last_bucket_bytes == 3e6
     single = m.profile_from_bench(bench_result(**{**figures, "world_size": 1,
                                                   "comm_mb_per_step": 0.0,
                                                   "wait_for_slowest_s": [0.0],
@@ -81,6 +99,12 @@ def test_full_fine_tuning_bytes_flops_and_sharded_optimizer() -> None:
     assert (m.predict(zero, 4, 1, 1e9, 1e-3).exposed_comm_s
             == pytest.approx(m.predict(plain, 4, 1, 1e9, 1e-3).exposed_comm_s + 0.6 + 0.003))
     assert m.predict(zero, 1, 1, 1e9, 1e-3).step_s == pytest.approx(2.0)
+    # The input embedding (tied to the head) is the last bucket: 49152 x 576 fp32, 21 % of it all.
+    work = m.Workload("smollm2-135m", 0, 512, 4, False)
+    profile = m.machine_profile(m.XEON_SPR_56, work, 1, 25.0, "bf16", 0.05)
+    assert profile.last_bucket_bytes == 2 * 49152 * 576
+    lora = m.machine_profile(m.XEON_SPR_56, m.WORKLOADS[0], 1, 25.0, "bf16", 0.05)
+    assert lora.last_bucket_bytes == 0.0
 
 
 def test_the_predicted_table_states_its_assumptions() -> None:

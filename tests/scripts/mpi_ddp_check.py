@@ -129,7 +129,10 @@ def check(path: str, model_dir: str, data_file: str, cache: str) -> None:
         torch.testing.assert_close(grads[rank], expected, rtol=1e-5, atol=1e-8)
     assert hook_calls and sum(hook_calls) == numel, hook_calls
     # The meter counts what crossed the wire: 2 bytes per gradient element in bf16, else 4.
-    assert meter.take()["bytes"] == numel * (2 if compressed else 4)
+    # ... and the last bucket's share of them, the one backward hands over last.
+    taken = meter.take()
+    assert taken["bytes"] == numel * (2 if compressed else 4)
+    assert taken["last_bucket_bytes"] == hook_calls[-1] * (2 if compressed else 4), taken
     print(f"DDP-CHECK-OK {path} rank={rank} buckets={len(hook_calls)}", flush=True)
 
 
