@@ -109,43 +109,74 @@ class StepClock(TrainerCallback):
         self.ends.append(time.perf_counter())
 
 
-def load_peer_model(config: Config, precision: Precision, quantization: Any
-                    ) -> tuple[Any, Any, float]:
-    """(HF model + PEFT LoRA as a user would set it up, on the given quantization config or
-    none, or with peft.method=full the model alone, every weight trained; tokenizer, seconds to
-    load)."""
-    from peft import LoraConfig, get_peft_model
+def start_peer(argv: list[str] | None) -> tuple[argparse.Namespace, Config, Precision]:
+    """A peer process's arguments, config and precision, its threads set and its libraries quiet
+    (offline, as cpudist's side runs)."""
+    from cpudist.runtime.precision import choose_precision
+    from cpudist.runtime.process import quiet_libraries
+
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    config = load_config(args.config)
+    if config.dist.threads_per_rank:
+        torch.set_num_threads(config.dist.threads_per_rank)
+    quiet_libraries()
+    return args, config, choose_precision(config.model.dtype)
+
+
+def load_hf_model(config: Config, dtype: torch.dtype, quantization: Any = None
+                  ) -> tuple[Any, Any, float]:
+    """(tokenizer, the model as transformers loads it, with the attention cpudist's side uses;
+    seconds to load the model)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from cpudist.model.load import attention_implementation
 
-    lora = config.lora
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     loading = time.perf_counter()
     attention = attention_implementation(config.model.attn_implementation,
                                          AutoConfig.from_pretrained(config.model.path))
-    # Full fine-tuning as HF documents it: fp32 weights, bf16 by the Trainer's autocast.
-    dtype = torch.float32 if config.peft.method == "full" else precision.compute_dtype
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=dtype,
                                                  attn_implementation=attention,
                                                  quantization_config=quantization)
+    return tokenizer, model, time.perf_counter() - loading
+
+
+def peft_lora_config(config: Config) -> Any:
+    """PEFT's LoraConfig for the config's lora section (a causal LM's)."""
+    from peft import LoraConfig
+
+    lora = config.lora
+    return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                      use_rslora=lora.use_rslora, use_dora=lora.use_dora,
+                      target_modules=lora.target_modules, task_type="CAUSAL_LM")
+
+
+def load_peer_model(config: Config, precision: Precision, quantization: Any
+                    ) -> tuple[Any, Any, float]:
+    """(HF model + PEFT LoRA as a user would set it up, on the given quantization config or
+    none, or with peft.method=full the model alone, every weight trained; tokenizer, seconds to
+    load)."""
+    from peft import get_peft_model
+
+    # Full fine-tuning as HF documents it: fp32 weights, bf16 by the Trainer's autocast.
+    dtype = torch.float32 if config.peft.method == "full" else precision.compute_dtype
+    tokenizer, model, load_s = load_hf_model(config, dtype, quantization)
+    wrapping = time.perf_counter()
     model.config.use_cache = False
     if config.peft.method == "full":
-        return model, tokenizer, time.perf_counter() - loading
+        return model, tokenizer, load_s
     if quantization is not None:
         # As the QLoRA recipes do: norms in fp32, input gradients on, checkpointing as configured.
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=config.model.gradient_checkpointing)
-    model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha,
-                                             lora_dropout=lora.dropout,
-                                             use_rslora=lora.use_rslora, use_dora=lora.use_dora,
-                                             target_modules=lora.target_modules,
-                                             task_type="CAUSAL_LM"))
-    return model, tokenizer, time.perf_counter() - loading
+    model = get_peft_model(model, peft_lora_config(config))
+    return model, tokenizer, load_s + time.perf_counter() - wrapping
 
 
 def train_peer(model: Any, rows: list[dict[str, list[int]]], collator: PadCollator,
@@ -187,19 +218,27 @@ def timed_steps(clock: StepClock, seen: list[tuple[list[int], int, int]], grad_a
     return steps
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    config = load_config(args.config)
-    tc = config.train
-    if config.dist.threads_per_rank:
-        torch.set_num_threads(config.dist.threads_per_rank)
-    from cpudist.runtime.precision import choose_precision
-    from cpudist.runtime.process import quiet_libraries
+def peer_result(config: Config, precision: Precision, steps: list[TimedStep],
+                peaks: list[float], pss: PssSampler, flops: FlopModel, framework: str,
+                args: argparse.Namespace, description: str, **figures: Any) -> BenchResult:
+    """A peer's BenchResult (its figures computed as cpudist's bench computes them), printed
+    without the config and per-step times, and written to --json when given."""
+    result = BenchResult(
+        **dataclasses.asdict(throughput_figures(steps, peaks)),
+        peak_rss_gb=[peak_rss_gb()], node_pss_gb=pss.peak / 1024**3, framework=framework,
+        dtype=precision.describe(), threads=torch.get_num_threads(), world_size=1,
+        steps=len(steps), warmup_steps=args.warmup, data=description,
+        model_dir=config.model.path, allocator=allocator_in_use(), flop_model=flops.as_dict(),
+        config=config.to_dict(), host=socket.gethostname(), **figures)
+    print(json.dumps({k: v for k, v in result.to_json().items() if k not in ("config", "step_s")}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=1))
+    return result
 
-    quiet_libraries()
-    precision = choose_precision(config.model.dtype)
+
+def main(argv: list[str] | None = None) -> int:
+    args, config, precision = start_peer(argv)
+    tc = config.train
     quantization = quantization_config(config.model.quantize, precision.compute_dtype)
     model, tokenizer, load_s = load_peer_model(config, precision, quantization)
     # One epoch of the timed steps; the warm-up steps run on the same set first (as cpudist's bench).
@@ -219,20 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         clock = train_peer(model, rows, collator, config, precision, args.steps, tmp)
     peaks.append(gemm.probe())
     flops = flop_model(model)
-    steps = timed_steps(clock, collator.seen, tc.grad_accum, args.warmup, flops)
-    result = BenchResult(
-        **dataclasses.asdict(throughput_figures(steps, peaks)),
-        peak_rss_gb=[peak_rss_gb()], node_pss_gb=pss.peak / 1024**3,
-        framework="hf-trainer" if config.peft.method == "full" else "hf-trainer+peft",
-        dtype=precision.describe(), threads=torch.get_num_threads(), world_size=1,
-        steps=len(steps), warmup_steps=args.warmup, data=description,
-        model_dir=config.model.path, allocator=allocator_in_use(), flop_model=flops.as_dict(),
-        config=config.to_dict(), load_s=load_s, host=socket.gethostname(),
-        quantization=str(quantization.to_dict() if quantization is not None else None))
-    shown = {k: v for k, v in result.to_json().items() if k not in ("config", "step_s")}
-    print(json.dumps(shown))
-    if args.json:
-        args.json.write_text(json.dumps(result.to_json(), indent=1))
+    peer_result(config, precision, timed_steps(clock, collator.seen, tc.grad_accum, args.warmup,
+                                               flops), peaks, pss, flops,
+                "hf-trainer" if config.peft.method == "full" else "hf-trainer+peft", args,
+                description, load_s=load_s,
+                quantization=str(quantization.to_dict() if quantization is not None else None))
     return 0
 
 

@@ -17,25 +17,23 @@ TRL's tokenization of text is skipped, as it is not timed on either side.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import socket
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from cpudist.bench.figures import GemmPeak, flop_model, model_gemm_shapes, throughput_figures
-from cpudist.bench.hf_peer import StepClock, parse_args, timed_steps
+from cpudist.bench.figures import GemmPeak, flop_model, model_gemm_shapes
+from cpudist.bench.hf_peer import (
+    StepClock,
+    load_hf_model,
+    peer_result,
+    peft_lora_config,
+    start_peer,
+    timed_steps,
+)
 from cpudist.bench.samples import bench_samples
-from cpudist.config import Config, load_config
-from cpudist.records import BenchResult
-from cpudist.runtime.allocator import in_use as allocator_in_use
-from cpudist.runtime.memory import PssSampler, peak_rss_gb
+from cpudist.config import Config
+from cpudist.runtime.memory import PssSampler
 from cpudist.runtime.precision import Precision
 
 
@@ -44,13 +42,10 @@ def _trainer(config: Config, precision: Precision, rows: list[dict[str, list[int
     """(DPOTrainer over the pre-tokenized pairs, its recording collator, seconds to load the
     model, seconds to build the trainer: its reference pass when it precomputes one)."""
     from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     from cpudist.data.tokenize import IGNORE
-    from cpudist.model.load import attention_implementation
 
     class Recording(DataCollatorForPreference):
         """TRL's collator, noting each batch's sequence lengths, answer tokens and cells."""
@@ -68,15 +63,8 @@ def _trainer(config: Config, precision: Precision, rows: list[dict[str, list[int
         def _prepare_dataset(self, dataset: Any, *_: Any, **__: Any) -> Any:
             return dataset  # already the bench's token ids
 
-    tc, lora = config.train, config.lora
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    loading = time.perf_counter()
-    attention = attention_implementation(config.model.attn_implementation,
-                                         AutoConfig.from_pretrained(config.model.path))
-    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=precision.compute_dtype,
-                                                 attn_implementation=attention)
+    tc = config.train
+    tokenizer, model, load_s = load_hf_model(config, precision.compute_dtype)
     args = DPOConfig(
         output_dir=out_dir, per_device_train_batch_size=tc.batch_size,
         gradient_accumulation_steps=tc.grad_accum, max_steps=max_steps, learning_rate=tc.lr,
@@ -88,13 +76,10 @@ def _trainer(config: Config, precision: Precision, rows: list[dict[str, list[int
         precompute_ref_log_probs=config.preference.reference == "precomputed")
     collator = Recording(pad_token_id=tokenizer.pad_token_id)
     assert IGNORE == -100  # TRL's label padding
-    load_s, building = time.perf_counter() - loading, time.perf_counter()
+    building = time.perf_counter()
     trainer = PreTokenized(
         model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-        data_collator=collator,
-        peft_config=LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                               use_rslora=lora.use_rslora, use_dora=lora.use_dora,
-                               target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+        data_collator=collator, peft_config=peft_lora_config(config))
     collator.seen.clear()  # the reference pass's batches: timed_steps reads the training's only
     return trainer, collator, load_s, time.perf_counter() - building
 
@@ -109,20 +94,10 @@ def _prepared(config: Config, build_s: float, pairs: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    config = load_config(args.config)
-    tc = config.train
-    if config.dist.threads_per_rank:
-        torch.set_num_threads(config.dist.threads_per_rank)
-    from cpudist.runtime.precision import choose_precision
-    from cpudist.runtime.process import quiet_libraries
-
-    quiet_libraries()
-    precision = choose_precision(config.model.dtype)
     from transformers import AutoConfig, AutoTokenizer
 
+    args, config, precision = start_peer(argv)
+    tc = config.train
     vocab = AutoConfig.from_pretrained(config.model.path).get_text_config().vocab_size
     pairs, description = bench_samples(config, args.data, args.steps * tc.batch_size * tc.grad_accum,
                                        AutoTokenizer.from_pretrained(config.model.path), vocab)
@@ -142,18 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     peaks.append(gemm.probe())
     clock.begins, clock.ends = clock.begins[args.warmup:], clock.ends[args.warmup:]
     flops = flop_model(model)
-    steps = timed_steps(clock, collator.seen, tc.grad_accum, args.warmup, flops)
-    result = BenchResult(
-        **dataclasses.asdict(throughput_figures(steps, peaks)),
-        peak_rss_gb=[peak_rss_gb()], node_pss_gb=pss.peak / 1024**3,
-        framework="trl-dpo+peft", dtype=precision.describe(), threads=torch.get_num_threads(),
-        world_size=1, steps=len(steps), warmup_steps=args.warmup, data=description,
-        model_dir=config.model.path, allocator=allocator_in_use(), flop_model=flops.as_dict(),
-        config=config.to_dict(), load_s=load_s, host=socket.gethostname(),
-        **_prepared(config, prepare_s, len(rows)))
-    print(json.dumps({k: v for k, v in result.to_json().items() if k not in ("config", "step_s")}))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.to_json(), indent=1))
+    peer_result(config, precision, timed_steps(clock, collator.seen, tc.grad_accum, args.warmup,
+                                               flops), peaks, pss, flops, "trl-dpo+peft", args,
+                description, load_s=load_s, **_prepared(config, prepare_s, len(rows)))
     return 0
 
 
