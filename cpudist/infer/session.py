@@ -46,18 +46,18 @@ def open_session(config: Config, process: Process, adapter: str | Path | None = 
     flag: the option that named the base, for errors about it."""
     adapter_dir = resolve_adapter(str(adapter)) if adapter else None  # fail before the slow load
     precision = choose_precision(config.model.dtype)
-    head = trained_head(config.model, adapter_dir, flag)
-    model, tokenizer, model_dir = load_for_inference(config.model, adapter_dir, precision, flag,
-                                                     head)
+    model_dir = model_path_of_flag(config.model, flag)
+    head = saved_head(adapter_dir) if adapter_dir is not None else declared_head(model_dir)
+    model, tokenizer = load_for_inference(config.model, model_dir, adapter_dir, precision, head)
     return Session(config, process, precision, model, tokenizer, model_dir, head)
 
 
-def trained_head(model: ModelConfig, adapter_dir: Path | None, flag: str = "--base") -> Head:
-    """What base (+ adapter) computes: the saved adapter's head, or without one the base's own (a
-    classifier trained with peft.method=full scores labels). flag: the option naming the base."""
+def trained_head(model: ModelConfig, adapter_dir: Path | None) -> Head:
+    """What base (+ adapter) computes, known before any slow load: the saved adapter's head, or
+    without one the base's own (a classifier trained with peft.method=full scores labels)."""
     if adapter_dir is not None:
         return saved_head(adapter_dir)
-    return declared_head(model_path_of_flag(model, flag))
+    return declared_head(model_path_of_flag(model, "--base"))
 
 
 def check_generative_model(model: ModelConfig, adapter_dir: Path | None, what: str) -> None:

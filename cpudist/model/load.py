@@ -321,11 +321,10 @@ def model_path_of_flag(config: ModelConfig, flag: str) -> Path:
                         ) from exc
 
 
-def load_for_inference(config: ModelConfig, adapter_dir: Path | None, precision: Precision,
-                       flag: str = "--base", head: Head = LM_HEAD) -> tuple[nn.Module, Any, Path]:
-    """What eval, generate and merge load: (base + saved adapter when given, tokenizer, model dir),
-    in eval mode. Errors about the model path name `flag`, the option the user gave it with."""
-    path = model_path_of_flag(config, flag)
+def load_for_inference(config: ModelConfig, path: Path, adapter_dir: Path | None,
+                       precision: Precision, head: Head = LM_HEAD) -> tuple[nn.Module, Any]:
+    """What eval, generate and merge load: (base at `path`, config.path resolved, + the saved
+    adapter when given; tokenizer), in eval mode."""
     tokenizer = load_tokenizer(path, config.trust_remote_code)
     if head.task == SEQ_CLS:  # a decoder's classifier finds each row's end by the pad id
         head = replace(head, pad_token_id=tokenizer.pad_token_id)
@@ -333,4 +332,4 @@ def load_for_inference(config: ModelConfig, adapter_dir: Path | None, precision:
     if adapter_dir is not None:
         model = load_adapter(model, adapter_dir, base_name=config.path)
     model.eval()
-    return model, tokenizer, path
+    return model, tokenizer

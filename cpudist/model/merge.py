@@ -16,7 +16,7 @@ import torch
 from cpudist.config import ModelConfig
 from cpudist.errors import UserError
 from cpudist.files import remove, replacing
-from cpudist.model.load import load_for_inference
+from cpudist.model.load import load_for_inference, model_path_of_flag
 from cpudist.runtime.precision import Precision
 
 # Merged in fp32 so the folded-in update is not rounded twice; cast at the end if asked.
@@ -36,7 +36,8 @@ def merge(base: ModelConfig, adapter_dir: Path, out: str | Path, dtype: str = "f
     else:
         plain = ModelConfig(path=base.path, trust_remote_code=base.trust_remote_code,
                             cache_dir=base.cache_dir)
-        model, tokenizer, _ = load_for_inference(plain, adapter_dir, MERGE_PRECISION)
+        model, tokenizer = load_for_inference(plain, model_path_of_flag(plain, "--base"),
+                                              adapter_dir, MERGE_PRECISION)
     merged = model.merge_and_unload()
     if dtype == "bfloat16":
         merged = merged.to(torch.bfloat16)
@@ -70,7 +71,8 @@ def _dequantized_base(base: ModelConfig, adapter_dir: Path | None) -> tuple[Any,
     from cpudist.model.quantize import dequantize_linears
     from cpudist.runtime.precision import choose_precision
 
-    model, tokenizer, _ = load_for_inference(base, None, choose_precision(base.dtype))
+    model, tokenizer = load_for_inference(base, model_path_of_flag(base, "--base"), None,
+                                          choose_precision(base.dtype))
     dequantize_linears(model, torch.float32)
     model = model.float()  # embeddings, head and norms too: the merge is computed in fp32
     if adapter_dir is None:

@@ -332,10 +332,11 @@ def test_a_quantized_run_evaluates_and_merges_into_its_dequantized_base(
 
     # Reference: the quantized base as training mapped it, dequantized, plus the adapter.
     config = load_config(None, overrides)
-    from cpudist.model.load import load_for_inference
+    from cpudist.model.load import load_for_inference, resolve_model_path
     from cpudist.runtime.precision import choose_precision
 
-    base, _, _ = load_for_inference(config.model, None, choose_precision("float32"))
+    base, _ = load_for_inference(config.model, resolve_model_path(config.model), None,
+                                 choose_precision("float32"))
     dequantize_linears(base)
     reference = PeftModel.from_pretrained(base, out / "adapter")
     ids = _ids()
