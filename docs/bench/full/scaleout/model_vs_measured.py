@@ -1,22 +1,37 @@
-"""The 4-fake-node rows of this folder against loopback and the scaling model; writes
-model_vs_measured.txt and scaleout.png here.
+"""The 4-fake-node rows of a folder (this one, or the one named as the argument) against
+loopback and the scaling model; writes model_vs_measured.txt and scaleout.png there.
+
+  python model_vs_measured.py [FOLDER "MACHINE"]
 
 One exclusive hold ran the same 4 ranks over loopback first (loopback.json): 4 ranks sharing this
 machine's 2 cores, as on the fake nodes, so the efficiency (tokens/s over loopback's) is what the
 link costs on top of the shared cores. Two predictions per
 row: (a) from the loopback step (its compute, the row's own bucket size and compression:
 the model adds the link, as `cpudist scaling --fake-nodes --predict` does), (b) from the row's own
-compute (its step less the exposed allreduce and the waits: only the link is predicted)."""
+compute (its step less the exposed allreduce and the waits: only the link is predicted).
+DDP's last bucket is the one the bench measured (comm_last_bucket_mb), or in files written before
+it was measured the tied embedding's gradient (the scaling model's figure for the shape)."""
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from cpudist.bench import scaling_model as m
 from cpudist.records import BenchResult
 
-here = Path(__file__).parent
+here = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
+machine = sys.argv[2] if len(sys.argv) > 2 else "Zen 4, 2 cores"
 RATES = {"10gbit": 10e9, "1gbit": 1e9}
 HOLDS = (("loopback.json", "10gbit.json"), ("loopback.json", "1gbit.json"))
+
+
+def profile(result: BenchResult) -> m.StepProfile:
+    measured = m.profile_from_bench(result)
+    if measured.last_bucket_bytes:
+        return measured
+    wire = 2 if result.config["dist"]["grad_compression"] == "bf16" else 4
+    return dataclasses.replace(measured, last_bucket_bytes=m.embedding_gradient_bytes(
+        "smollm2-135m") * wire / 4)
 
 
 def load(name: str) -> list[tuple[dict, BenchResult]]:
@@ -27,7 +42,7 @@ def load(name: str) -> list[tuple[dict, BenchResult]]:
 lines, rows = [], []
 for loop_name, link_name in HOLDS:
     (_, loop), = load(loop_name)
-    base = m.profile_from_bench(loop)
+    base = profile(loop)
     if link_name == HOLDS[0][1]:
         lines.append(f"{loop_name}: loopback {loop.tokens_per_s:.1f} tokens/s, "
                      f"{loop.s_per_step:.2f} s/step, exposed {loop.comm_exposed_s_per_step:.2f} s, "
@@ -35,9 +50,10 @@ for loop_name, link_name in HOLDS:
     for row, res in load(link_name):
         dist = res.config["dist"]
         wire = 2 if dist["grad_compression"] == "bf16" else 4
-        own = m.profile_from_bench(res)
+        own = profile(res)
         from_loop = dataclasses.replace(base, wire_bytes=own.wire_bytes,
-                                        bucket_bytes=own.bucket_bytes)
+                                        bucket_bytes=own.bucket_bytes,
+                                        last_bucket_bytes=own.last_bucket_bytes)
         rate = RATES[row["link"]]
         a, b = (m.predict(p, res.world_size, 1, rate, 0.0) for p in (from_loop, own))
         eff = res.tokens_per_s / loop.tokens_per_s
@@ -49,7 +65,9 @@ for loop_name, link_name in HOLDS:
         lines.append(
             f"{row['link']} {row['setting']} ({dist['bucket_cap_mb']:g} MB, {wire * 8}-bit): "
             f"{res.tokens_per_s:.1f} tokens/s = {eff:.3f} of loopback; step {res.s_per_step:.2f} s, "
-            f"exposed {res.comm_exposed_s_per_step:.2f} s, {res.comm_mb_per_step:.0f} MB; "
+            f"exposed {res.comm_exposed_s_per_step:.2f} s (model {a.exposed_comm_s:.2f}), "
+            f"compute {own.compute_s:.2f} s, {res.comm_mb_per_step:.0f} MB "
+            f"(last bucket {own.last_bucket_bytes / 1e6:.0f}); "
             f"model from loopback {a.tokens_per_s:.1f} ({a.tokens_per_s / res.tokens_per_s - 1:+.1%}), "
             f"from own compute {b.tokens_per_s:.1f} ({b.tokens_per_s / res.tokens_per_s - 1:+.1%}); "
             f"peak RSS {max(res.peak_rss_gb):.2f} GB")
@@ -81,7 +99,7 @@ for i, r in enumerate(rows):
               label="loopback, same hold" if i == 0 else None)
 ax.set_xticks(list(x), labels)
 ax.set_ylabel("tokens/s, 4 ranks")
-ax.set_title("SmolLM2-135M full fine-tuning, 4 fake nodes, 1 x 512 per rank (Zen 4, 2 cores)")
+ax.set_title(f"SmolLM2-135M full fine-tuning, 4 fake nodes, 1 x 512 per rank ({machine})")
 ax.legend(fontsize=8, loc="lower left")
 fig.tight_layout()
 fig.savefig(here / "scaleout.png", dpi=100)

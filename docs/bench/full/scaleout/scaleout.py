@@ -1,6 +1,7 @@
 """SmolLM2-135M full fine-tuning on N fake nodes (one rank each, 1 thread), every link shaped to
 LINK, or the same N ranks over loopback on this host (LINK = loopback): each NAME=OVERRIDES
-setting run in turn on one fake cluster; a JSON line per run, all of them in LINK.json here.
+setting run in turn on one fake cluster; a JSON line per run, all of them in LINK.json here (or
+in the folder OUT names).
 
   STEPS=2 NODES=4 BATCH=1 python scaleout.py 1gbit plain=dist.bucket_cap_mb=1000 \
       overlap=dist.bucket_cap_mb=25 bf16=dist.bucket_cap_mb=25,dist.grad_compression=bf16
@@ -57,4 +58,6 @@ with ExitStack() as stack:
                "wait_for_slowest_s": res.wait_for_slowest_s, "peak_rss_gb": res.peak_rss_gb}
         print(json.dumps(row), flush=True)
         out.append({"row": row, "result": res.to_json()})
-        Path(__file__).with_name(f"{link_name}.json").write_text(json.dumps(out, indent=1))
+        out_dir = Path(os.environ.get("OUT", Path(__file__).parent))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"{link_name}.json").write_text(json.dumps(out, indent=1))
