@@ -3,7 +3,9 @@
 Full-vocabulary logits for every token are the largest tensors of a LoRA step (151936-vocab fp32
 logits for 2048 tokens are 1.2 GB, and their gradient as much). Here the head runs only where a
 label exists, a chunk of rows at a time, and the gradient for the hidden states is computed in the
-same pass (the head is frozen), so at most one chunk of logits is ever alive.
+same pass, so with a frozen head at most one chunk of logits is ever alive. A head that trains
+(peft.method=full) keeps each label row's logit gradient in the compute dtype for its weight's
+gradient in backward: half of what autograd's log_softmax would keep in bf16 (its fp32 output).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ def softmax_rows() -> int:
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(hidden_i @ W^T + b, target_i), with d/dhidden computed chunk by chunk in forward.
 
+    A trainable W (or b) is computed with in the autocast dtype when autocast is on, as an
+    nn.Linear would be, and every row's d/dlogits is kept (in that dtype) for d/dW in backward.
+
     With `segments` (a segment index per row, `count` segments) it returns the per-segment sums
     instead of one total: the log-probability of each sequence of a preference batch, in the same
     single pass. d(CE_i)/d(hidden_i) does not depend on which sum row i goes to, so backward only
@@ -39,15 +44,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 segments: torch.Tensor | None = None, count: int = 1) -> torch.Tensor:
         total = hidden.new_zeros((count,) if segments is not None else (), dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        trains = weight.requires_grad or (bias is not None and bias.requires_grad)
+        compute = (torch.get_autocast_dtype("cpu") if trains and torch.is_autocast_enabled("cpu")
+                   else weight.dtype)
+        ctx.trains, ctx.weight_dtype = trains, weight.dtype
+        weight = weight.detach().to(compute)
+        bias = bias.detach().to(compute) if bias is not None else None
         # Vocabulary-wide buffers serve every chunk (logits for the chunk, fp32 for a few of its
         # rows). A fresh 100+ MB tensor per chunk and op cost more than the softmax itself:
         # malloc maps such blocks anew each time and the kernel zero-fills every page on first
-        # touch (docs/PERFORMANCE.md, "Loss head: label-only, chunked").
+        # touch (docs/PERFORMANCE.md, "Loss head: label-only, chunked"). A trainable head keeps
+        # every row's logit gradient, so its chunks are slices of one tensor of all the rows.
         width, vocab = min(chunk, hidden.shape[0]), weight.shape[0]
-        logits_buffer = torch.empty((width, vocab), dtype=weight.dtype)
+        logits_buffer = torch.empty((hidden.shape[0] if trains else width, vocab), dtype=compute)
         # An fp32 head works on its logits in place: there is no copy to keep small, so it takes
         # the whole chunk at once (unless soft-capping needs a second buffer).
-        in_place = weight.dtype == torch.float32
+        in_place = compute == torch.float32
         rows_fp32 = width if in_place and not softcap else min(width, softmax_rows())
         fp32_buffer = None if in_place else torch.empty((rows_fp32, vocab), dtype=torch.float32)
         # Soft-capped logits (Gemma 2): cap * tanh(z / cap); the tanh is kept for the chain rule.
@@ -55,7 +67,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             rows = hidden[start : start + chunk].to(weight.dtype)
             target = targets[start : start + chunk]
-            logits = logits_buffer[: rows.shape[0]]
+            logits = logits_buffer[start : start + rows.shape[0]] if trains else \
+                logits_buffer[: rows.shape[0]]
             if bias is None:
                 torch.mm(rows, weight.t(), out=logits)
             else:
@@ -77,8 +90,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 else:
                     at = start + first
                     total.index_add_(0, segments[at : at + part.shape[0]], picked[:, 0], alpha=-1)
-                if grad_hidden is not None:
-                    # d(CE)/d(logits) = softmax - one_hot, then back through the frozen head.
+                if grad_hidden is not None or trains:
+                    # d(CE)/d(logits) = softmax - one_hot, then back through the head.
                     probs = logp.exp_()
                     probs[torch.arange(part_target.shape[0]), part_target] -= 1.0
                     if tanh_buffer is not None:  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
@@ -91,18 +104,28 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     torch.mm(logits, weight, out=grad_rows)
                 else:
                     grad_rows.copy_(logits @ weight)
-        ctx.save_for_backward(grad_hidden, segments)
+        if trains:
+            ctx.save_for_backward(grad_hidden, segments, logits_buffer, hidden.detach().to(compute))
+        else:
+            ctx.save_for_backward(grad_hidden, segments)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_hidden, segments = ctx.saved_tensors
-        if grad_hidden is None:
-            return (None,) * 8
-        scale = grad_output.to(grad_hidden.dtype)
-        if segments is not None:  # each row's gradient times its sequence's incoming gradient
-            scale = scale.index_select(0, segments)[:, None]
-        return grad_hidden * scale, None, None, None, None, None, None, None
+        grad_hidden, segments, *kept = ctx.saved_tensors
+        grads: list[torch.Tensor | None] = [None] * 8
+        # Each row's incoming gradient: the total's, or that of its sequence's sum.
+        scale = grad_output if segments is None else grad_output.index_select(0, segments)[:, None]
+        if grad_hidden is not None:
+            grads[0] = grad_hidden * scale.to(grad_hidden.dtype)
+        if kept:  # the head trains: dW = sum_i scale_i dlogits_i^T rows_i, db = sum_i scale_i dlogits_i
+            logit_grads, rows = kept
+            scale = scale.to(rows.dtype).expand(rows.shape[0], 1)
+            if ctx.needs_input_grad[1]:
+                grads[1] = (logit_grads.t() @ (rows * scale)).to(ctx.weight_dtype)
+            if ctx.needs_input_grad[2]:
+                grads[2] = (scale.t() @ logit_grads)[0].to(ctx.weight_dtype)
+        return tuple(grads)
 
 
 def label_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,15 +143,6 @@ def chunked_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
     model's final_logit_softcapping (logits become softcap * tanh(logits / softcap))."""
     flat_index, targets = label_positions(labels)
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_index)
-    if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
-        # A trainable head needs its own gradient: plain autograd, still label rows only.
-        total = torch.zeros((), dtype=torch.float32)
-        for start in range(0, rows.shape[0], chunk):
-            logits = head(rows[start : start + chunk]).float()
-            if softcap:
-                logits = torch.tanh(logits / softcap) * softcap
-            total = total + F.cross_entropy(logits, targets[start : start + chunk], reduction="sum")
-        return total, int(targets.numel())
     total = _ChunkedLinearCrossEntropy.apply(rows, head.weight, head.bias, targets, chunk, softcap)
     return total, int(targets.numel())
 
@@ -142,15 +156,6 @@ def chunked_row_logps(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tenso
     count = labels.shape[0]
     counts = torch.bincount(rows_of, minlength=count)
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_index)
-    if head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad):
-        total = torch.zeros(count, dtype=torch.float32)
-        for start in range(0, rows.shape[0], chunk):
-            logits = head(rows[start : start + chunk]).float()
-            if softcap:
-                logits = torch.tanh(logits / softcap) * softcap
-            nll = F.cross_entropy(logits, targets[start : start + chunk], reduction="none")
-            total = total.index_add(0, rows_of[start : start + chunk], nll)
-        return -total, counts
     nll = _ChunkedLinearCrossEntropy.apply(rows, head.weight, head.bias, targets, chunk, softcap,
                                            rows_of, count)
     return -nll, counts

@@ -166,16 +166,12 @@ def full_training_gb(config: Config, parts: Parts, ranks_per_node: int, compute:
 
 
 def trainable_head_loss_gb(config: Config, parts: Parts, tokens: int, bytes_per: int) -> float:
-    """The loss head when it trains (peft.method=full): cpudist.model.loss.chunked_lm_loss runs
-    plain autograd over the label rows, a chunk at a time, and cross-entropy's log_softmax keeps
-    its fp32 output of every label row for backward (tokens x vocab x 4 bytes). On top, the chunk
-    in flight: in backward the fp32 gradient of the log-probabilities and of the logits, and in
-    bf16 the cast back to the head's dtype (forward's bf16 logits and fp32 copy are less).
-    Measured: SmolLM2-135M, 2 x 512 tokens, bf16: the head's step adds 0.50 GB to the rank's RSS
-    (docs/PERFORMANCE.md, "Will it fit"); this counts 0.42 of it."""
-    rows = min(config.train.loss_chunk_size, tokens)
-    in_flight = rows * parts.vocab * (8 + (2 if bytes_per == 2 else 0))
-    return (tokens * parts.vocab * 4 + in_flight) / GB
+    """The loss head when it trains (peft.method=full): cpudist.model.loss keeps every label
+    row's logit gradient in the compute dtype for the head's weight gradient (tokens x vocab x
+    bytes_per), and in backward makes that gradient in the compute dtype and in fp32 (vocab x
+    hidden x 4, and x 2 more in bf16) before adding it to the weight's."""
+    weight_grad = parts.vocab * parts.hidden * (4 + (2 if bytes_per == 2 else 0))
+    return (tokens * parts.vocab * bytes_per + weight_grad) / GB
 
 
 def _tokens(config: Config) -> int:

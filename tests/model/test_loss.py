@@ -150,3 +150,51 @@ def test_activation_checkpointing_is_active_from_the_first_step(tiny_qwen: Path,
         return total
 
     assert saved_bytes(True) < 0.5 * saved_bytes(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_a_trainable_head_gets_the_gradients_of_plain_autograd(dtype: torch.dtype, per_row: bool,
+                                                               softcap: float | None) -> None:
+    # peft.method=full: the head (with a bias here) trains. The chunked head keeps each row's
+    # logit gradient for the weight's gradient; plain autograd over full logits is the reference,
+    # under bf16 autocast too (where both round the logits and their gradient to bf16).
+    import torch.nn.functional as F
+
+    from cpudist.model.loss import chunked_lm_loss, chunked_row_logps
+
+    torch.manual_seed(0)
+    vocab, width, rows, length = 300, 32, 3, 11
+    head = torch.nn.Linear(width, vocab)
+    hidden = torch.randn(rows, length, width)
+    labels = torch.randint(0, vocab, (rows, length))
+    labels[0, :4] = -100
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        logits = head(x[:, :-1]).float()
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        nll = F.cross_entropy(logits.reshape(-1, vocab), labels[:, 1:].reshape(-1),
+                              reduction="none").view(rows, length - 1)
+        return -nll.sum(1) if per_row else nll.sum()
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        if per_row:
+            return chunked_row_logps(x, head, labels, 4, softcap)[0]
+        return chunked_lm_loss(x, head, labels, 4, softcap)[0]
+
+    results = []
+    for fn in (reference, chunked):
+        head.zero_grad()
+        x = hidden.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = fn(x)
+        # Weights per sum, so that each sequence's incoming gradient differs (DPO's case).
+        (out * torch.arange(1, out.numel() + 1).view(out.shape)).sum().backward()
+        results.append([out.detach(), x.grad, head.weight.grad.clone(), head.bias.grad.clone()])
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    for name, want, got in zip(("loss", "hidden", "weight", "bias"), *results, strict=True):
+        assert want.abs().max() > 0, name
+        torch.testing.assert_close(got, want, rtol=tolerance,
+                                   atol=tolerance * float(want.abs().max()), msg=name)

@@ -158,13 +158,16 @@ def test_plan_counts_what_a_trainable_loss_head_keeps_for_backward(tiny_llama: P
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         chunked_lm_loss(hidden, head, labels, config.train.loss_chunk_size)
     plan = estimate(config, parts, 1, (64.0, "test"), "float32").rank_gb["loss head (trains)"]
-    in_flight = 100 * parts.vocab * 8  # the chunk being differentiated, fp32
-    # Every label row's fp32 log-probabilities; the plan counts every position (labels shift by
-    # one, so a sequence has one label row less).
+    weight_grad = parts.vocab * parts.hidden * 4  # made in backward, before it is accumulated
+    # Every label row's logit gradient, fp32 here; the plan counts every position (labels shift
+    # by one, so a sequence has one label row less).
     assert sum(kept.values()) == batch * (length - 1) * parts.vocab * 4
-    assert plan * GB - in_flight == pytest.approx(sum(kept.values()) + batch * parts.vocab * 4)
+    assert plan * GB - weight_grad == pytest.approx(sum(kept.values()) + batch * parts.vocab * 4)
+    # In bf16 the rows' logit gradients are kept in bf16, half the bytes; the weight's gradient
+    # is made in bf16, then in fp32.
     bf16 = estimate(config, parts, 1, (64.0, "test"), "bfloat16").rank_gb
-    assert bf16["loss head (trains)"] * GB == pytest.approx(plan * GB + 100 * parts.vocab * 2)
+    assert bf16["loss head (trains)"] * GB == pytest.approx(
+        batch * length * parts.vocab * 2 + parts.vocab * parts.hidden * 6)
     # The tied head's weight is cast to bf16 by autocast like every linear's.
     assert parts.tied and bf16["bf16 weight copies (autocast)"] == pytest.approx(
         (parts.linears + parts.embedding) * 2 / GB)
