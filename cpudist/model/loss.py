@@ -47,9 +47,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         trains = weight.requires_grad or (bias is not None and bias.requires_grad)
         compute = (torch.get_autocast_dtype("cpu") if trains and torch.is_autocast_enabled("cpu")
                    else weight.dtype)
-        ctx.trains, ctx.weight_dtype = trains, weight.dtype
+        ctx.weight_dtype = weight.dtype
         weight = weight.detach().to(compute)
         bias = bias.detach().to(compute) if bias is not None else None
+        inputs = hidden.detach().to(compute)  # what the head multiplies, and dW needs in backward
         # Vocabulary-wide buffers serve every chunk (logits for the chunk, fp32 for a few of its
         # rows). A fresh 100+ MB tensor per chunk and op cost more than the softmax itself:
         # malloc maps such blocks anew each time and the kernel zero-fills every page on first
@@ -65,7 +66,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Soft-capped logits (Gemma 2): cap * tanh(z / cap); the tanh is kept for the chain rule.
         tanh_buffer = torch.empty((rows_fp32, vocab), dtype=torch.float32) if softcap else None
         for start in range(0, hidden.shape[0], chunk):
-            rows = hidden[start : start + chunk].to(weight.dtype)
+            rows = inputs[start : start + chunk]
             target = targets[start : start + chunk]
             logits = logits_buffer[start : start + rows.shape[0]] if trains else \
                 logits_buffer[: rows.shape[0]]
@@ -105,7 +106,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 else:
                     grad_rows.copy_(logits @ weight)
         if trains:
-            ctx.save_for_backward(grad_hidden, segments, logits_buffer, hidden.detach().to(compute))
+            ctx.save_for_backward(grad_hidden, segments, logits_buffer, inputs)
         else:
             ctx.save_for_backward(grad_hidden, segments)
         return total
