@@ -87,8 +87,9 @@ def plan(config: str | Path | Config | None = None, overrides: Overrides = None,
     chosen = make_config(config, overrides)
     placement = detect_placement()
     ranks = ranks_per_node or placement.local_size
-    chosen, _ = resolve_batch(chosen, world_size or max(placement.world_size, ranks), ranks)
-    return make_plan(chosen, ranks)
+    world = world_size or max(placement.world_size, ranks)
+    chosen, _ = resolve_batch(chosen, world, ranks)
+    return make_plan(chosen, ranks, world)
 
 
 def evaluate(adapter: str | Path | None = None, *, data: str | Path | None = None,

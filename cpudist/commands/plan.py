@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     ranks = args.ranks_per_node or placement.local_size
     world = args.world_size or max(placement.world_size, ranks)
     config, batch_line = resolve_batch(config, world, ranks)
-    plan = make_plan(config, ranks)
+    plan = make_plan(config, ranks, world)
     if args.json == "-":
         print(json.dumps(plan.as_dict()))
         return 0

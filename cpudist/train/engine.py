@@ -194,8 +194,14 @@ class Engine:
             last = k == len(micro) - 1
             no_sync = (module.no_sync() if self.placement.distributed and not last
                        and hasattr(module, "no_sync") else contextlib.nullcontext())
-            with no_sync, self.session.precision.autocast():
-                output = module(**batch.as_kwargs())
+            with no_sync:
+                # Backward runs outside autocast (as torch's docs advise): the autocast cache
+                # holds the bf16 copy of every fp32 weight until the context ends, while
+                # outside it each copy goes with its layer's saved tensors as backward passes
+                # it; with full fine-tuning that is a copy of the model (2 bytes a parameter)
+                # less at the end of backward, where the fp32 gradients are all there.
+                with self.session.precision.autocast():
+                    output = module(**batch.as_kwargs())
                 (output.total * scale).backward()
             add_sums(sums, output)
         return sums

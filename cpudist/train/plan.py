@@ -146,18 +146,21 @@ def total_params(parts: Parts) -> int:
     return parts.linears + parts.embedding + parts.head + parts.other
 
 
-def full_training_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str
-                     ) -> dict[str, float]:
+def full_training_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str,
+                     world_size: int) -> dict[str, float]:
     """peft.method=full, each rank's own: fp32 master weights, their gradients, AdamW's two fp32
     moments (with train.zero a 1/ranks share: at least the node's ranks share the state) and,
-    under bf16 autocast, the bf16 copy of every linear's weight that forward casts and backward
-    keeps. DDP's buckets hold the gradients themselves (gradient_as_bucket_view), no second copy."""
+    under bf16 autocast on several ranks, the bf16 copy of every linear's weight that forward
+    casts and backward keeps. DDP's buckets hold the gradients themselves
+    (gradient_as_bucket_view), no second copy, and they are there all along, beside the copies.
+    One rank has no buckets: backward (outside autocast) frees each layer's copies as it makes
+    that layer's gradients, at twice their bytes, so the copies never add to the gradients."""
     total = total_params(parts)
     shards = ranks_per_node if config.train.zero and ranks_per_node > 1 else 1
     rank = {"weights (fp32)": total * 4 / GB, "gradients (fp32)": total * 4 / GB,
             "AdamW moments" + (f" (1/{shards}, train.zero)" if shards > 1 else ""):
                 total * 8 / shards / GB}
-    if compute == "bfloat16":
+    if compute == "bfloat16" and world_size > 1:
         # A tied head is the embedding's weight: autocast casts (and caches) it for the head's
         # matmul like any linear's, though the lookup itself reads the fp32 rows.
         head = parts.embedding if parts.tied else parts.head
@@ -181,11 +184,12 @@ def _tokens(config: Config) -> int:
 
 
 def estimate(config: Config, parts: Parts, ranks_per_node: int, node_memory: tuple[float, str],
-             compute: str) -> MemoryPlan:
-    """The plan for config on a node of node_memory (GB, where the figure comes from)."""
+             compute: str, world_size: int | None = None) -> MemoryPlan:
+    """The plan for config on a node of node_memory (GB, where the figure comes from), in a run
+    of world_size ranks (default: the node's)."""
     full = config.peft.method == "full"
     frozen = {} if full else frozen_gb(config, parts, compute)
-    rank = rank_gb(config, parts, ranks_per_node, compute)
+    rank = rank_gb(config, parts, ranks_per_node, compute, world_size or ranks_per_node)
     shared = not full and (config.model.share_frozen_weights or config.model.quantize != "none")
     node_memory_gb, source = node_memory
     plan = MemoryPlan(ranks_per_node, node_memory_gb, source, frozen, shared, rank)
@@ -239,7 +243,8 @@ def rows_per_micro_batch(config: Config) -> int:
     return config.train.batch_size * OBJECTIVES[objective_name(config)].sequences_per_sample
 
 
-def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> dict[str, float]:
+def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str,
+            world_size: int) -> dict[str, float]:
     """Each rank's own GB by part: the adapter and its optimizer state, activations, the loss
     head's buffers, the dequantization buffers, the process."""
     bytes_per = 2 if compute == "bfloat16" else 4
@@ -247,7 +252,7 @@ def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> 
     tokens = _tokens(config)
     rank: dict[str, float] = {}
     if config.peft.method == "full":
-        rank.update(full_training_gb(config, parts, ranks_per_node, compute))
+        rank.update(full_training_gb(config, parts, ranks_per_node, compute, world_size))
     else:
         rank["adapter, gradients, AdamW"] = trainable_params(parts, config) * 16 / GB
     per_h, per_i = ACTIVATION_BYTES[compute]
@@ -287,7 +292,7 @@ def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str) -> 
 
 
 def advise(config: Config, parts: Parts, ranks_per_node: int, node_memory: tuple[float, str],
-           compute: str) -> list[str]:
+           compute: str, world_size: int | None = None) -> list[str]:
     """Settings that would make a plan that does not fit fit, smallest change first."""
     tries: list[tuple[str, list[str]]] = []
     if not config.model.gradient_checkpointing:
@@ -311,13 +316,13 @@ def advise(config: Config, parts: Parts, ranks_per_node: int, node_memory: tuple
     for label, overrides in tries:
         changed = _with(config, overrides)
         ranks = ranks_per_node // 2 if not overrides else ranks_per_node
-        if estimate(changed, parts, max(1, ranks), node_memory, compute).fits:
+        if estimate(changed, parts, max(1, ranks), node_memory, compute, world_size).fits:
             advice.append(label)
         # Combine with checkpointing: most big runs need both.
         elif overrides and overrides[0] != "model.gradient_checkpointing=true" and \
                 not config.model.gradient_checkpointing:
             both = _with(changed, ["model.gradient_checkpointing=true"])
-            if estimate(both, parts, ranks, node_memory, compute).fits:
+            if estimate(both, parts, ranks, node_memory, compute, world_size).fits:
                 advice.append(f"model.gradient_checkpointing=true {label}")
         if len(advice) == 3:
             break
@@ -334,16 +339,16 @@ def _with(config: Config, overrides: list[str]) -> Config:
     return config.with_settings(changes)
 
 
-def make_plan(config: Config, ranks_per_node: int) -> MemoryPlan:
+def make_plan(config: Config, ranks_per_node: int, world_size: int | None = None) -> MemoryPlan:
     from cpudist.runtime.memory import node_memory_gb
     from cpudist.runtime.precision import choose_precision
 
     parts = model_parts(config)
     compute = choose_precision(config.model.dtype).compute
     node = node_memory_gb()
-    plan = estimate(config, parts, ranks_per_node, node, compute)
+    plan = estimate(config, parts, ranks_per_node, node, compute, world_size)
     if not plan.fits:
-        plan.advice = advise(config, parts, ranks_per_node, node, compute)
+        plan.advice = advise(config, parts, ranks_per_node, node, compute, world_size)
     return plan
 
 
@@ -370,13 +375,14 @@ def one_line(plan: MemoryPlan) -> str:
             f"{advice}; `cpudist plan` shows the parts, train.check_memory=false runs anyway")
 
 
-def check_fits(config: Config, ranks_per_node: int) -> MemoryPlan | None:
+def check_fits(config: Config, ranks_per_node: int, world_size: int | None = None
+               ) -> MemoryPlan | None:
     """The plan, raising a one-line UserError when it does not fit (train.check_memory=false
     skips the check). Never stops a run because the plan itself failed."""
     if not config.train.check_memory:
         return None
     try:
-        plan = make_plan(config, ranks_per_node)
+        plan = make_plan(config, ranks_per_node, world_size)
     except UserError:
         raise
     except Exception as exc:  # a model the planner cannot count: say so, run anyway
@@ -414,7 +420,7 @@ def resolve_batch(config: Config, world_size: int, ranks_per_node: int) -> tuple
         raise UserError(f"train.global_batch={tc.global_batch} does not divide among {world_size} "
                         f"ranks; choose a multiple of {world_size}")
     if tc.batch_size == "auto":
-        batch, why = _auto_batch(config, per_rank, ranks_per_node)
+        batch, why = _auto_batch(config, per_rank, ranks_per_node, world_size)
     else:
         batch, why = tc.batch_size, "train.batch_size"
         if per_rank % batch:
@@ -455,7 +461,8 @@ def keep_global_batch(config: Config, global_batch: int, world_size: int) -> tup
     return _with(config, overrides), note
 
 
-def _auto_batch(config: Config, per_rank: int, ranks_per_node: int) -> tuple[int, str]:
+def _auto_batch(config: Config, per_rank: int, ranks_per_node: int, world_size: int
+                ) -> tuple[int, str]:
     """The largest micro-batch (<= MAX_AUTO_BATCH, dividing per_rank) whose plan fits."""
     from cpudist.runtime.memory import node_memory_gb
     from cpudist.runtime.precision import choose_precision
@@ -472,6 +479,6 @@ def _auto_batch(config: Config, per_rank: int, ranks_per_node: int) -> tuple[int
     node = node_memory_gb()
     for batch in candidates:
         if estimate(_with(config, [f"train.batch_size={batch}"]), parts, ranks_per_node, node,
-                    compute).fits:
+                    compute, world_size).fits:
             return batch, f"auto: the largest of {candidates} that the memory plan fits"
     return 1, "auto: even 1 row does not fit the memory plan"

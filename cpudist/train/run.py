@@ -112,7 +112,7 @@ def resolve(given: Config, placement: Placement) -> Resolved:
             resolved, batch_line = resolve_batch(fixed, placement.world_size, placement.local_size)
             batch_line += ", the smallest any node's memory allows"
     # A run that cannot fit stops here, not in the kernel's OOM killer.
-    agreed(placement, lambda: check_fits(resolved, placement.local_size))
+    agreed(placement, lambda: check_fits(resolved, placement.local_size, placement.world_size))
     return Resolved(given, resolved, loaded, batch_line)
 
 

@@ -103,6 +103,27 @@ def test_full_refuses_what_it_cannot_train(tiny_llama: Path, chat_file: Path,
             load_config(None, [*base, *extra])
 
 
+def test_backward_runs_outside_autocast(tiny_llama: Path, chat_file: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside autocast its cache would keep the bf16 copy of every fp32 weight until the context
+    ends, past the end of backward where all the fp32 gradients are there too."""
+    backward = torch.Tensor.backward
+    under_autocast: list[bool] = []
+
+    def recording(self: torch.Tensor, *args: object, **kwargs: object) -> None:
+        under_autocast.append(torch.is_autocast_enabled("cpu"))
+        backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", recording)
+    done = cli_in_process(capsys, ["train", *tiny_overrides(
+        tiny_llama, chat_file, tmp_path / "out", peft__method="full", model__dtype="bfloat16",
+        train__max_steps=2, train__grad_accum=2)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "; dtype bfloat16" in done.stdout  # forward did run under bf16 autocast
+    assert len(under_autocast) == 4 and not any(under_autocast)
+
+
 def test_plan_counts_full_weights_gradients_and_sharded_optimizer(tiny_llama: Path,
                                                                   chat_file: Path,
                                                                   tmp_path: Path) -> None:
@@ -168,9 +189,15 @@ def test_plan_counts_what_a_trainable_loss_head_keeps_for_backward(tiny_llama: P
     bf16 = estimate(config, parts, 1, (64.0, "test"), "bfloat16").rank_gb
     assert bf16["loss head (trains)"] * GB == pytest.approx(
         batch * length * parts.vocab * 2 + parts.vocab * parts.hidden * 6)
-    # The tied head's weight is cast to bf16 by autocast like every linear's.
-    assert parts.tied and bf16["bf16 weight copies (autocast)"] == pytest.approx(
+    # On several ranks DDP's buckets hold every gradient beside autocast's bf16 weight copies
+    # (the tied head's weight is cast like every linear's); one rank's backward frees each
+    # layer's copies as it makes its gradients, so they never add to them.
+    two_ranks = estimate(config, parts, 1, (64.0, "test"), "bfloat16", world_size=2).rank_gb
+    assert parts.tied and two_ranks["bf16 weight copies (autocast)"] == pytest.approx(
         (parts.linears + parts.embedding) * 2 / GB)
+    assert "bf16 weight copies (autocast)" not in bf16
+    assert sum(two_ranks.values()) - sum(bf16.values()) == pytest.approx(
+        two_ranks["bf16 weight copies (autocast)"])
 
 
 def test_full_classifier_trains_evaluates_predicts_and_orpo_trains(
