@@ -22,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="N",
                         help="ranks sharing a node (default: what the launcher says, else 1)")
     parser.add_argument("--world-size", type=positive_int, default=None, metavar="N",
-                        help="ranks in the whole run, for train.global_batch (default: what the "
-                        "launcher says, else the ranks per node)")
+                        help="ranks in the whole run, for train.global_batch and, with "
+                        "peft.method=full, DDP's gradient buckets (default: what the launcher "
+                        "says, else the ranks per node)")
     parser.add_argument("--json", metavar="FILE|-", help="also write the figures as JSON "
                         "(- prints them); node_peak_gb compares with the bench's peak_rss_gb "
                         "(1 rank) or node_pss_gb (several)")
