@@ -81,15 +81,9 @@ def train(config: str | Path | Config | None = None, overrides: Overrides = None
 def plan(config: str | Path | Config | None = None, overrides: Overrides = None, *,
          ranks_per_node: int | None = None, world_size: int | None = None) -> MemoryPlan:
     """`cpudist plan`: the memory a run needs per rank and node, before loading anything."""
-    from cpudist.runtime.cluster import detect_placement
-    from cpudist.train.plan import make_plan, resolve_batch
+    from cpudist.train.plan import plan_here
 
-    chosen = make_config(config, overrides)
-    placement = detect_placement()
-    ranks = ranks_per_node or placement.local_size
-    world = world_size or max(placement.world_size, ranks)
-    chosen, _ = resolve_batch(chosen, world, ranks)
-    return make_plan(chosen, ranks, world)
+    return plan_here(make_config(config, overrides), ranks_per_node, world_size)[0]
 
 
 def evaluate(adapter: str | Path | None = None, *, data: str | Path | None = None,

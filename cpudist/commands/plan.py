@@ -32,17 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cpudist.config import load_config
-    from cpudist.runtime.cluster import detect_placement
     from cpudist.runtime.process import quiet_libraries
-    from cpudist.train.plan import describe, make_plan, resolve_batch
+    from cpudist.train.plan import describe, plan_here
 
     config = load_config(*split_settings(args.settings))
     quiet_libraries()
-    placement = detect_placement()
-    ranks = args.ranks_per_node or placement.local_size
-    world = args.world_size or max(placement.world_size, ranks)
-    config, batch_line = resolve_batch(config, world, ranks)
-    plan = make_plan(config, ranks, world)
+    plan, batch_line = plan_here(config, args.ranks_per_node, args.world_size)
     if args.json == "-":
         print(json.dumps(plan.as_dict()))
         return 0

@@ -352,6 +352,19 @@ def make_plan(config: Config, ranks_per_node: int, world_size: int | None = None
     return plan
 
 
+def plan_here(config: Config, ranks_per_node: int | None = None, world_size: int | None = None
+              ) -> tuple[MemoryPlan, str]:
+    """`cpudist plan` and cpudist.plan(): the plan for ranks_per_node ranks of a world_size run
+    (default: what the launcher says, else one node), with the batch line resolve_batch gives."""
+    from cpudist.runtime.cluster import detect_placement
+
+    placement = detect_placement()
+    ranks = ranks_per_node or placement.local_size
+    world = world_size or max(placement.world_size, ranks)
+    config, batch_line = resolve_batch(config, world, ranks)
+    return make_plan(config, ranks, world), batch_line
+
+
 def describe(plan: MemoryPlan) -> str:
     if plan.frozen_gb:
         lines = [f"frozen weights ({'once per node, mapped' if plan.frozen_shared else 'per rank'}):"]
