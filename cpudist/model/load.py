@@ -26,6 +26,7 @@ from cpudist.model.adapters import (
     is_full,
     load_adapter,
 )
+from cpudist.model.tied_embedding import share_tied_embedding_gradient
 from cpudist.runtime.precision import Precision
 
 log = logging.getLogger("cpudist")
@@ -306,6 +307,9 @@ def _full_model(config: Config, path: Path, precision: Precision, head: Head) ->
     model = load_base_model(config.model, path, precision, map_weights=False, head=head,
                             dtype=torch.float32)
     model.requires_grad_(True)
+    if share_tied_embedding_gradient(model):
+        log.info("tied embedding: its backward adds the batch's rows to the LM head's gradient in "
+                 "place (no vocabulary-sized temporary)")
     if config.model.gradient_checkpointing:
         enable_activation_checkpointing(model)
     model.train()

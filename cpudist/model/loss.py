@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpudist.data.tokenize import IGNORE
+from cpudist.model.tied_embedding import leave_head_gradient
 
 
 def softmax_rows() -> int:
@@ -48,6 +49,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         compute = (torch.get_autocast_dtype("cpu") if trains and torch.is_autocast_enabled("cpu")
                    else weight.dtype)
         ctx.weight_dtype = weight.dtype
+        ctx.weight = weight  # the parameter, for a tied embedding (leave_head_gradient)
         weight = weight.detach().to(compute)
         bias = bias.detach().to(compute) if bias is not None else None
         inputs = hidden.detach().to(compute)  # what the head multiplies, and dW needs in backward
@@ -123,10 +125,33 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logit_grads, rows = kept
             scale = scale.to(rows.dtype).expand(rows.shape[0], 1)
             if ctx.needs_input_grad[1]:
-                grads[1] = (logit_grads.t() @ (rows * scale)).to(ctx.weight_dtype)
+                grads[1] = _weight_gradient(logit_grads, rows * scale, ctx.weight_dtype)
+                leave_head_gradient(ctx.weight, grads[1])
             if ctx.needs_input_grad[2]:
                 grads[2] = (scale.t() @ logit_grads)[0].to(ctx.weight_dtype)
         return tuple(grads)
+
+
+def _weight_gradient(logit_grads: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype
+                     ) -> torch.Tensor:
+    """logit_grads^T @ rows in `dtype`. From bf16 it is computed a block of vocabulary rows at a
+    time, each cast into the fp32 result: one whole bf16 product would be a vocabulary-sized
+    temporary (0.25 GiB for Qwen2.5-0.5B) at the start of backward, where activations are
+    still all held."""
+    if logit_grads.dtype == dtype:
+        return logit_grads.t() @ rows
+    vocab = logit_grads.shape[1]
+    grad = torch.empty((vocab, rows.shape[1]), dtype=dtype)
+    for start in range(0, vocab, _WEIGHT_GRADIENT_BLOCK):
+        block = logit_grads[:, start : start + _WEIGHT_GRADIENT_BLOCK]
+        grad[start : start + block.shape[1]].copy_(block.t() @ rows)
+    return grad
+
+
+# Vocabulary rows per block of the head's weight gradient: 8192 x 896 bf16 is 14 MiB, and a
+# GEMM of 8192 rows runs as fast as the whole one (docs/PERFORMANCE.md, "Full fine-tuning: where
+# the memory goes").
+_WEIGHT_GRADIENT_BLOCK = 8192
 
 
 def label_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -155,12 +155,17 @@ def test_activation_checkpointing_is_active_from_the_first_step(tiny_qwen: Path,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("block", [8192, 64])  # the weight's gradient in one block, or in five
 def test_a_trainable_head_gets_the_gradients_of_plain_autograd(dtype: torch.dtype, per_row: bool,
-                                                               softcap: float | None) -> None:
+                                                               softcap: float | None, block: int,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
     # peft.method=full: the head (with a bias here) trains. The chunked head keeps each row's
     # logit gradient for the weight's gradient; plain autograd over full logits is the reference,
     # under bf16 autocast too (where both round the logits and their gradient to bf16).
     import torch.nn.functional as F
+
+    monkeypatch.setattr(loss_module, "_WEIGHT_GRADIENT_BLOCK", block)
 
     from cpudist.model.loss import chunked_lm_loss, chunked_row_logps
 
