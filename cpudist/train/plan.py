@@ -171,9 +171,9 @@ def full_training_gb(config: Config, parts: Parts, ranks_per_node: int, compute:
 def trainable_head_loss_gb(config: Config, parts: Parts, tokens: int, bytes_per: int) -> float:
     """The loss head when it trains (peft.method=full): cpudist.model.loss keeps every label
     row's logit gradient in the compute dtype for the head's weight gradient (tokens x vocab x
-    bytes_per), and in backward makes that gradient in the compute dtype and in fp32 (vocab x
-    hidden x 4, and x 2 more in bf16) before adding it to the weight's."""
-    weight_grad = parts.vocab * parts.hidden * (4 + (2 if bytes_per == 2 else 0))
+    bytes_per), and makes that fp32 gradient (vocab x hidden x 4; from bf16 a block of rows at a
+    time) at the start of backward, where every activation is still held."""
+    weight_grad = parts.vocab * parts.hidden * 4
     return (tokens * parts.vocab * bytes_per + weight_grad) / GB
 
 
