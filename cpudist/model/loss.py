@@ -44,7 +44,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 targets: torch.Tensor, chunk: int, softcap: float | None = None,
                 segments: torch.Tensor | None = None, count: int = 1) -> torch.Tensor:
         total = hidden.new_zeros((count,) if segments is not None else (), dtype=torch.float32)
-        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
+        # The rows are padded with zeros to a multiple of ROW_MULTIPLE: oneDNN's GEMMs run
+        # slower on odd row counts, and a sequence of n tokens has n - 1 label rows.
+        labelled = hidden.shape[0]
+        padded = labelled + (-labelled % ROW_MULTIPLE)
+        grad_hidden = (hidden.new_empty((padded, hidden.shape[1])) if hidden.requires_grad
+                       else None)
         trains = weight.requires_grad or (bias is not None and bias.requires_grad)
         compute = (torch.get_autocast_dtype("cpu") if trains and torch.is_autocast_enabled("cpu")
                    else weight.dtype)
@@ -53,13 +58,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         weight = weight.detach().to(compute)
         bias = bias.detach().to(compute) if bias is not None else None
         inputs = hidden.detach().to(compute)  # what the head multiplies, and dW needs in backward
+        if padded > labelled:
+            inputs = torch.cat((inputs, inputs.new_zeros(padded - labelled, inputs.shape[1])))
         # Vocabulary-wide buffers serve every chunk (logits for the chunk, fp32 for a few of its
         # rows). A fresh 100+ MB tensor per chunk and op cost more than the softmax itself:
         # malloc maps such blocks anew each time and the kernel zero-fills every page on first
         # touch (docs/PERFORMANCE.md, "Loss head: label-only, chunked"). A trainable head keeps
         # every row's logit gradient, so its chunks are slices of one tensor of all the rows.
-        width, vocab = min(chunk, hidden.shape[0]), weight.shape[0]
-        logits_buffer = torch.empty((hidden.shape[0] if trains else width, vocab), dtype=compute)
+        width, vocab = min(chunk, padded), weight.shape[0]
+        logits_buffer = torch.empty((padded if trains else width, vocab), dtype=compute)
         # An fp32 head works on its logits in place: there is no copy to keep small, so it takes
         # the whole chunk at once (unless soft-capping needs a second buffer).
         in_place = compute == torch.float32
@@ -67,8 +74,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         fp32_buffer = None if in_place else torch.empty((rows_fp32, vocab), dtype=torch.float32)
         # Soft-capped logits (Gemma 2): cap * tanh(z / cap); the tanh is kept for the chain rule.
         tanh_buffer = torch.empty((rows_fp32, vocab), dtype=torch.float32) if softcap else None
-        for start in range(0, hidden.shape[0], chunk):
+        for start in range(0, padded, chunk):
             rows = inputs[start : start + chunk]
+            real = max(0, min(rows.shape[0], labelled - start))  # the rows that are not padding
             target = targets[start : start + chunk]
             logits = logits_buffer[start : start + rows.shape[0]] if trains else \
                 logits_buffer[: rows.shape[0]]
@@ -78,8 +86,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 torch.addmm(bias, rows, weight.t(), out=logits)
             # The softmax runs softmax_rows() rows at a time: rows are independent, so the result
             # is the same as over the whole chunk, while the fp32 copy stays small and in cache.
-            for first in range(0, logits.shape[0], rows_fp32):
-                part = logits[first : first + rows_fp32]
+            for first in range(0, real, rows_fp32):
+                part = logits[first : min(first + rows_fp32, real)]
                 part_target = target[first : first + rows_fp32]
                 # log-probabilities in fp32, in place (the softmax reads a row before writing it).
                 logp = part if fp32_buffer is None else fp32_buffer[: part.shape[0]].copy_(part)
@@ -101,12 +109,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                         probs.mul_(squashed.square_().neg_().add_(1.0))
                     if probs is not part:
                         part.copy_(probs)
+            if real < logits.shape[0]:
+                logits[real:].zero_()  # padding rows: no gradient to the hidden states, W or b
             if grad_hidden is not None:
                 grad_rows = grad_hidden[start : start + chunk]
                 if grad_rows.dtype == weight.dtype:
                     torch.mm(logits, weight, out=grad_rows)
                 else:
                     grad_rows.copy_(logits @ weight)
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden[:labelled]
         if trains:
             ctx.save_for_backward(grad_hidden, segments, logits_buffer, inputs)
         else:
@@ -123,7 +135,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grads[0] = grad_hidden * scale.to(grad_hidden.dtype)
         if kept:  # the head trains: dW = sum_i scale_i dlogits_i^T rows_i, db = sum_i scale_i dlogits_i
             logit_grads, rows = kept
-            scale = scale.to(rows.dtype).expand(rows.shape[0], 1)
+            scale = scale.to(rows.dtype)
+            if segments is None:
+                scale = scale.expand(rows.shape[0], 1)
+            else:  # per-row scales for the label rows, none for the padding rows
+                scale = torch.cat((scale, scale.new_zeros(rows.shape[0] - scale.shape[0], 1)))
             if ctx.needs_input_grad[1]:
                 grads[1] = _weight_gradient(logit_grads, rows * scale, ctx.weight_dtype)
                 leave_head_gradient(ctx.weight, grads[1])
@@ -147,6 +163,12 @@ def _weight_gradient(logit_grads: torch.Tensor, rows: torch.Tensor, dtype: torch
         grad[start : start + block.shape[1]].copy_(block.t() @ rows)
     return grad
 
+
+# Label rows are padded to a multiple of this for the head's GEMMs: on Zen 5, 511 rows x 3,584 x
+# 152,064 (a 512-token sequence on Qwen2.5-7B's head) took 732 ms forward and 1,034 ms for the
+# hidden states' gradient, 512 rows 581 and 731 ms (docs/PERFORMANCE.md, "Loss head: label-only,
+# chunked").
+ROW_MULTIPLE = 16
 
 # Vocabulary rows per block of the head's weight gradient: 8192 x 896 bf16 is 14 MiB, and a
 # GEMM of 8192 rows runs as fast as the whole one (docs/PERFORMANCE.md, "Full fine-tuning: where

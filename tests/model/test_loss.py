@@ -203,3 +203,31 @@ def test_a_trainable_head_gets_the_gradients_of_plain_autograd(dtype: torch.dtyp
         assert want.abs().max() > 0, name
         torch.testing.assert_close(got, want, rtol=tolerance,
                                    atol=tolerance * float(want.abs().max()), msg=name)
+
+
+def test_head_gemms_run_on_a_multiple_of_16_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 512-token sequence has 511 label rows; oneDNN's GEMMs run markedly slower on such odd
+    # counts, so the rows are padded with zeros, which change neither the loss nor a gradient.
+    from cpudist.model.loss import chunked_lm_loss
+
+    torch.manual_seed(0)
+    vocab, width = 50, 8
+    head = torch.nn.Linear(width, vocab, bias=False)
+    hidden = torch.randn(1, 12, width, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, 12))  # 11 label rows
+    mm, rows_seen = torch.mm, []
+
+    def recording(a: torch.Tensor, b: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        if vocab in (a.shape[1], b.shape[1]):  # the head's GEMMs, not the test's own
+            rows_seen.append(a.shape[0])
+        return mm(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", recording)
+    total, count = chunked_lm_loss(hidden, head, labels, 512)
+    total.backward()
+    monkeypatch.undo()
+    logits = head(hidden[0, :-1].detach())
+    want = torch.nn.functional.cross_entropy(logits, labels[0, 1:], reduction="sum")
+    assert count == 11 and rows_seen and all(rows % 16 == 0 for rows in rows_seen)
+    torch.testing.assert_close(total.detach(), want)
+    assert hidden.grad is not None and hidden.grad.shape == hidden.shape
