@@ -44,10 +44,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 targets: torch.Tensor, chunk: int, softcap: float | None = None,
                 segments: torch.Tensor | None = None, count: int = 1) -> torch.Tensor:
         total = hidden.new_zeros((count,) if segments is not None else (), dtype=torch.float32)
-        # The rows are padded with zeros to a multiple of ROW_MULTIPLE: oneDNN's GEMMs run
+        # The rows are padded with zeros (padded_rows): oneDNN's GEMMs run
         # slower on odd row counts, and a sequence of n tokens has n - 1 label rows.
         labelled = hidden.shape[0]
-        padded = labelled + (-labelled % ROW_MULTIPLE)
+        padded = padded_rows(labelled)
         grad_hidden = (hidden.new_empty((padded, hidden.shape[1])) if hidden.requires_grad
                        else None)
         trains = weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -168,7 +168,12 @@ def _weight_gradient(logit_grads: torch.Tensor, rows: torch.Tensor, dtype: torch
 # 152,064 (a 512-token sequence on Qwen2.5-7B's head) took 732 ms forward and 1,034 ms for the
 # hidden states' gradient, 512 rows 581 and 731 ms (docs/PERFORMANCE.md, "Loss head: label-only,
 # chunked").
-ROW_MULTIPLE = 16
+_ROW_MULTIPLE = 16
+
+
+def padded_rows(rows: int) -> int:
+    """How many rows the head's GEMMs run on for `rows` label rows (the plan counts them too)."""
+    return rows + (-rows % _ROW_MULTIPLE)
 
 # Vocabulary rows per block of the head's weight gradient: 8192 x 896 bf16 is 14 MiB, and a
 # GEMM of 8192 rows runs as fast as the whole one (docs/PERFORMANCE.md, "Full fine-tuning: where

@@ -173,9 +173,9 @@ def trainable_head_loss_gb(config: Config, parts: Parts, tokens: int, bytes_per:
     row's logit gradient in the compute dtype for the head's weight gradient (tokens x vocab x
     bytes_per), and makes that fp32 gradient (vocab x hidden x 4; from bf16 a block of rows at a
     time) at the start of backward, where every activation is still held."""
-    from cpudist.model.loss import ROW_MULTIPLE
+    from cpudist.model.loss import padded_rows
 
-    rows = tokens + (-tokens % ROW_MULTIPLE)  # the label rows, padded as the head pads them
+    rows = padded_rows(tokens)  # the label rows, padded as the head pads them
     weight_grad = parts.vocab * parts.hidden * 4
     return (rows * parts.vocab * bytes_per + weight_grad) / GB
 

@@ -157,7 +157,7 @@ def test_plan_counts_full_weights_gradients_and_sharded_optimizer(tiny_llama: Pa
 def test_plan_counts_what_a_trainable_loss_head_keeps_for_backward(tiny_llama: Path,
                                                                     chat_file: Path,
                                                                     tmp_path: Path) -> None:
-    from cpudist.model.loss import ROW_MULTIPLE, chunked_lm_loss
+    from cpudist.model.loss import chunked_lm_loss, padded_rows
     from cpudist.train.plan import GB, estimate, model_parts
 
     config = load_config(None, tiny_overrides(tiny_llama, chat_file, tmp_path, peft__method="full",
@@ -183,17 +183,15 @@ def test_plan_counts_what_a_trainable_loss_head_keeps_for_backward(tiny_llama: P
     # Every label row's logit gradient, fp32 here, the rows padded to a multiple of 16 for the
     # GEMMs; the plan counts every position, padded alike (labels shift by one, so a sequence
     # has one label row less).
-    def padded(rows: int) -> int:
-        return rows + (-rows % ROW_MULTIPLE)
-
-    assert sum(kept.values()) == padded(batch * (length - 1)) * parts.vocab * 4
-    assert plan * GB - weight_grad == pytest.approx(padded(batch * length) * parts.vocab * 4)
-    assert padded(batch * length) >= padded(batch * (length - 1))
+    assert sum(kept.values()) == padded_rows(batch * (length - 1)) * parts.vocab * 4 > 0
+    assert padded_rows(batch * (length - 1)) % 16 == 0
+    assert plan * GB - weight_grad == pytest.approx(padded_rows(batch * length) * parts.vocab * 4)
+    assert padded_rows(batch * length) >= padded_rows(batch * (length - 1))
     # In bf16 the rows' logit gradients are kept in bf16, half the bytes; the weight's gradient
     # is made in fp32 (a block of rows at a time in bf16 first: no whole bf16 copy).
     bf16 = estimate(config, parts, 1, (64.0, "test"), "bfloat16").rank_gb
     assert bf16["loss head (trains)"] * GB == pytest.approx(
-        padded(batch * length) * parts.vocab * 2 + parts.vocab * parts.hidden * 4)
+        padded_rows(batch * length) * parts.vocab * 2 + parts.vocab * parts.hidden * 4)
     # On several ranks DDP's buckets hold every gradient beside autocast's bf16 weight copies
     # (the tied head's weight is cast like every linear's); one rank's backward frees each
     # layer's copies as it makes its gradients, so they never add to them.
