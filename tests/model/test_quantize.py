@@ -231,3 +231,23 @@ def test_the_compiled_int4_unpack_restores_what_the_eager_one_does() -> None:
     assert eager.abs().max() < 0.125
     torch.testing.assert_close(compiled, eager, rtol=0, atol=2 ** -11)
     assert (compiled == eager).float().mean() > 0.5
+
+
+def test_the_compiled_int4_unpack_is_one_kernel_with_no_intermediate() -> None:
+    """Inductor's code for the unpack reads the packed bytes and writes the weight in one kernel:
+    splitting the nibbles into buffers and concatenating them made it slower than eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    from cpudist.model import quantize
+
+    stored = METHODS["int4"].quantize(torch.randn(64, 256), 32, torch.bfloat16)
+    out = torch.empty(64, 256, dtype=torch.bfloat16)
+    kernel = torch.compile(quantize._unpack_int4_halves, dynamic=False)
+    _, (code, *_) = run_and_get_code(kernel, stored["qweight"], stored["scales"],
+                                     stored["zeros"], out)
+    call = code[code.index("def call("):]
+    assert "aten." not in call, call
+    assert call.count("cpp_fused") == 1, call
+    eager = torch.empty_like(out)
+    quantize._dequantize_int4(stored, eager)
+    torch.testing.assert_close(out, eager, rtol=0, atol=eager.abs().max().item() * 2 ** -7)
