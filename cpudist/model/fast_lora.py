@@ -125,7 +125,11 @@ def _fast_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torc
     if not self._cpudist_eager:  # compiled: Inductor plans the GEMMs and fuses the add itself
         return base(x) + F.linear(h, up)
     if type(base) is not nn.Linear:  # quantized: its own kernel, no accumulator to hand it
-        return base(x) + LoraUp.apply(h, up, None)
+        # The adapter first: the quantized matmul saves no tensor for backward, so in a
+        # checkpointed layer's recompute, which stops once the last saved tensor is back, the
+        # layer's last projection (down_proj) is neither dequantized nor multiplied again.
+        lora = LoraUp.apply(h, up, None)
+        return base(x) + lora
     # The adapter's output (with the frozen bias, added in that small GEMM) is the accumulator of
     # the frozen GEMM: one addmm instead of a GEMM, an add and the add's extra pass in backward.
     lora = LoraUp.apply(h, up, base.bias)
