@@ -123,7 +123,7 @@ def _unpack_int4_halves(packed: torch.Tensor, scales: torch.Tensor, zeros: torch
                         out: torch.Tensor) -> None:
     """The int4 weight in one pass for Inductor, for weights whose halves hold whole groups: the
     two nibbles come from one broadcast shift (a `stack` of the halves made Inductor write both
-    to buffers and `cat` them first: 6.5x slower on a 7B MLP weight, and slower than eager).
+    to buffers and `cat` them first: 6x slower on a 7B MLP weight, and slower than eager).
     Computed in fp32 and rounded once, so it can differ from _dequantize_int4's two bf16
     roundings by one unit in the last place."""
     rows, half = packed.shape
