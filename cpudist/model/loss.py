@@ -175,6 +175,7 @@ def padded_rows(rows: int) -> int:
     """How many rows the head's GEMMs run on for `rows` label rows (the plan counts them too)."""
     return rows + (-rows % _ROW_MULTIPLE)
 
+
 # Vocabulary rows per block of the head's weight gradient: 8192 x 896 bf16 is 14 MiB, and a
 # GEMM of 8192 rows runs as fast as the whole one (docs/PERFORMANCE.md, "Full fine-tuning: where
 # the memory goes").
