@@ -85,9 +85,9 @@ def flop_model(peft_model: nn.Module) -> FlopModel:
     virtual, prefix = _prompt_positions(peft_model)
     return FlopModel(n_frozen=n_frozen, n_lora=n_lora, n_layers=config.num_hidden_layers,
                      attn_dim=config.num_attention_heads * head_dim,
-                     head_params=head.weight.numel(), dora_products=dora,
+                     head_params=head.in_features * head.out_features, dora_products=dora,
                      virtual_tokens=virtual, prefix_keys=prefix,
-                     head_trained=head.weight.requires_grad)
+                     head_trained=not isinstance(head, QuantizedLinear) and head.weight.requires_grad)
 
 
 def _prompt_positions(peft_model: nn.Module) -> tuple[int, int]:

@@ -250,27 +250,49 @@ def _load_quantized(config: ModelConfig, path: Path, hf_config: Any, precision: 
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from cpudist.model.quantize import METHODS, frozen_linear_names, quantized_dir, replace_linears
+    from cpudist.model.quantize import (
+        HEAD_METHOD,
+        METHODS,
+        frozen_linear_names,
+        quantizable_head_name,
+        quantized_dir,
+        replace_head,
+        replace_linears,
+    )
     from cpudist.model.shared_weights import build_on_mapping
 
     dtype = precision.compute_dtype
     with init_empty_weights(include_buffers=False):
         skeleton = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **options)
     linears = frozen_linear_names(skeleton)
+    head = quantizable_head_name(skeleton) if config.quantize_head else None
     del skeleton
-    source = quantized_dir(path, linears, config.quantize, config.quantize_group, dtype, cache_dir)
-    model = build_on_mapping(source, hf_config, dtype, lambda m: replace_linears(
-        m, linears, config.quantize, config.quantize_group, dtype), **options)
+    source = quantized_dir(path, linears, config.quantize, config.quantize_group, dtype, cache_dir,
+                           head)
+
+    def quantized_modules(model: nn.Module) -> None:
+        replace_linears(model, linears, config.quantize, config.quantize_group, dtype)
+        if head is not None:
+            replace_head(model, head, dtype)
+
+    model = build_on_mapping(source, hf_config, dtype, quantized_modules, **options)
     if model is None:
         raise UserError(f"{path}: its safetensors tensor names do not match the model, so "
                         f"model.quantize={config.quantize} cannot map them; use a plain Hugging "
                         "Face checkpoint of the architecture")
     model.requires_grad_(False)
     model.config.use_cache = False
+    compute = str(dtype).removeprefix("torch.")
+    if head is not None:
+        head_is = f"LM head {HEAD_METHOD}, dequantized a block of rows at a time"
+    elif config.quantize_head:
+        head_is = f"LM head tied to the embeddings, in {compute}"
+    else:
+        head_is = f"LM head in {compute} (model.quantize_head=false)"
     log.info("frozen weights: %d decoder linears %s (%s), dequantized per matmul into one reused "
-             "%s buffer for oneDNN's GEMM; embeddings and LM head in %s; mapped from %s (shared "
-             "by the node's ranks)", len(linears), config.quantize, METHODS[config.quantize].describe,
-             str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."), source)
+             "%s buffer for oneDNN's GEMM; %s; embeddings in %s; mapped from %s (shared by the "
+             "node's ranks)", len(linears), config.quantize, METHODS[config.quantize].describe,
+             compute, head_is, compute, source)
     return model
 
 

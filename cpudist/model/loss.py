@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpudist.data.tokenize import IGNORE
+from cpudist.model.quantize import QuantizedHead, head_input_gradient, head_logits
 from cpudist.model.tied_embedding import leave_head_gradient
 
 
@@ -37,26 +38,33 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     With `segments` (a segment index per row, `count` segments) it returns the per-segment sums
     instead of one total: the log-probability of each sequence of a preference batch, in the same
     single pass. d(CE_i)/d(hidden_i) does not depend on which sum row i goes to, so backward only
-    scales each row's precomputed gradient by its segment's incoming gradient."""
+    scales each row's precomputed gradient by its segment's incoming gradient.
+
+    `weight` may be a QuantizedHead (frozen, bias inside) instead: its two GEMMs per chunk then go
+    a block of vocabulary rows at a time (head_logits, head_input_gradient)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, chunk: int, softcap: float | None = None,
                 segments: torch.Tensor | None = None, count: int = 1) -> torch.Tensor:
         total = hidden.new_zeros((count,) if segments is not None else (), dtype=torch.float32)
+        quantized = weight if isinstance(weight, QuantizedHead) else None
         # The rows are padded with zeros (padded_rows): oneDNN's GEMMs run
         # slower on odd row counts, and a sequence of n tokens has n - 1 label rows.
         labelled = hidden.shape[0]
         padded = padded_rows(labelled)
         grad_hidden = (hidden.new_empty((padded, hidden.shape[1])) if hidden.requires_grad
                        else None)
-        trains = weight.requires_grad or (bias is not None and bias.requires_grad)
-        compute = (torch.get_autocast_dtype("cpu") if trains and torch.is_autocast_enabled("cpu")
-                   else weight.dtype)
-        ctx.weight_dtype = weight.dtype
-        ctx.weight = weight  # the parameter, for a tied embedding (leave_head_gradient)
-        weight = weight.detach().to(compute)
-        bias = bias.detach().to(compute) if bias is not None else None
+        if quantized is not None:
+            trains, compute = False, quantized.compute_dtype
+        else:
+            trains = weight.requires_grad or (bias is not None and bias.requires_grad)
+            compute = (torch.get_autocast_dtype("cpu")
+                       if trains and torch.is_autocast_enabled("cpu") else weight.dtype)
+            ctx.weight_dtype = weight.dtype
+            ctx.weight = weight  # the parameter, for a tied embedding (leave_head_gradient)
+            weight = weight.detach().to(compute)
+            bias = bias.detach().to(compute) if bias is not None else None
         inputs = hidden.detach().to(compute)  # what the head multiplies, and dW needs in backward
         if padded > labelled:
             inputs = torch.cat((inputs, inputs.new_zeros(padded - labelled, inputs.shape[1])))
@@ -65,7 +73,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # malloc maps such blocks anew each time and the kernel zero-fills every page on first
         # touch (docs/PERFORMANCE.md, "Loss head: label-only, chunked"). A trainable head keeps
         # every row's logit gradient, so its chunks are slices of one tensor of all the rows.
-        width, vocab = min(chunk, padded), weight.shape[0]
+        width = min(chunk, padded)
+        vocab = quantized.out_features if quantized is not None else weight.shape[0]
         logits_buffer = torch.empty((padded if trains else width, vocab), dtype=compute)
         # An fp32 head works on its logits in place: there is no copy to keep small, so it takes
         # the whole chunk at once (unless soft-capping needs a second buffer).
@@ -80,7 +89,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             target = targets[start : start + chunk]
             logits = logits_buffer[start : start + rows.shape[0]] if trains else \
                 logits_buffer[: rows.shape[0]]
-            if bias is None:
+            if quantized is not None:
+                head_logits(rows, quantized, logits)
+            elif bias is None:
                 torch.mm(rows, weight.t(), out=logits)
             else:
                 torch.addmm(bias, rows, weight.t(), out=logits)
@@ -113,7 +124,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 logits[real:].zero_()  # padding rows: no gradient to the hidden states, W or b
             if grad_hidden is not None:
                 grad_rows = grad_hidden[start : start + chunk]
-                if grad_rows.dtype == weight.dtype:
+                if quantized is not None:
+                    head_input_gradient(logits, quantized, grad_rows)
+                elif grad_rows.dtype == weight.dtype:
                     torch.mm(logits, weight, out=grad_rows)
                 else:
                     grad_rows.copy_(logits @ weight)
@@ -191,13 +204,21 @@ def label_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows * width + cols, shifted[mask]
 
 
+def _weight_and_bias(head: nn.Module) -> tuple[Any, torch.Tensor | None]:
+    """The head as _ChunkedLinearCrossEntropy takes it: (weight, bias), or (the QuantizedHead,
+    None): its bias is added with its blocks."""
+    if isinstance(head, QuantizedHead):
+        return head, None
+    return head.weight, head.bias
+
+
 def chunked_lm_loss(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor,
                     chunk: int, softcap: float | None = None) -> tuple[torch.Tensor, int]:
     """(sum of token losses, number of label tokens) from final hidden states; softcap: the
     model's final_logit_softcapping (logits become softcap * tanh(logits / softcap))."""
     flat_index, targets = label_positions(labels)
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_index)
-    total = _ChunkedLinearCrossEntropy.apply(rows, head.weight, head.bias, targets, chunk, softcap)
+    total = _ChunkedLinearCrossEntropy.apply(rows, *_weight_and_bias(head), targets, chunk, softcap)
     return total, int(targets.numel())
 
 
@@ -210,7 +231,7 @@ def chunked_row_logps(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tenso
     count = labels.shape[0]
     counts = torch.bincount(rows_of, minlength=count)
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat_index)
-    nll = _ChunkedLinearCrossEntropy.apply(rows, head.weight, head.bias, targets, chunk, softcap,
+    nll = _ChunkedLinearCrossEntropy.apply(rows, *_weight_and_bias(head), targets, chunk, softcap,
                                            rows_of, count)
     return -nll, counts
 
@@ -284,7 +305,7 @@ class CausalLMLoss(nn.Module):
                 labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> LossOutput:
         if position_ids is not None:
             # Packed rows: attention_mask holds segment ids; keep attention inside each sample.
-            dtype = next(self.head.parameters()).dtype
+            dtype = self.decoder.get_input_embeddings().weight.dtype
             attention_mask = packed_attention_mask(attention_mask, dtype)
         if not self.chunked:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask,

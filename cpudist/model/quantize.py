@@ -20,9 +20,14 @@ backward takes the weights its recomputed forward left there: two dequantization
 step, not three) and runs oneDNN's GEMM in the compute dtype, in bf16 and in fp32 (AVX2-only
 CPUs) alike. int8's row scales multiply the GEMM's output (and the output gradient), so its
 weight is one cast of the codes; int4's large weights unpack in one compiled pass. Neither
-library can map a per-node cache file either. The embeddings and the LM head stay in the
-compute dtype, mapped: a lookup touches only its rows' pages, and the chunked loss head streams
-through the head's rows, where a quantized head would need a vocabulary-sized dequantized copy.
+library can map a per-node cache file either.
+
+The embeddings stay in the compute dtype, mapped: a lookup touches only its rows' pages. An
+untied LM head (`model.quantize_head`, on by default) is stored int8 whatever the decoder's
+method (a scale per vocabulary row: the head's error goes straight into every logit, so it gets
+the finer method) and is multiplied a block of HEAD_BLOCK_ROWS vocabulary rows at a time
+(QuantizedHead.blocks), so no vocabulary-sized dequantized copy exists. A tied head is the
+embedding and stays as it is.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import json
 import logging
 import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -326,6 +331,107 @@ class QuantizedLinear(nn.Module):
                 f"{METHODS[self.method].describe}, group={self.group}, compute={self.compute_dtype}")
 
 
+# An untied LM head's method, and how many vocabulary rows of it are dequantized at a time: 8192
+# rows of Qwen2.5-7B's head are 56 MiB in bf16, and its 512-row GEMMs (logits, then the hidden
+# states' gradient) took 1.40 s a step in such blocks against 1.43 s for the whole bf16 weight on
+# Zen 5 (docs/PERFORMANCE.md, "7-8B models and quantized bases").
+HEAD_METHOD = "int8"
+HEAD_BLOCK_ROWS = 8192
+
+
+class QuantizedHead(QuantizedLinear):
+    """A frozen LM head stored quantized and computed a block of vocabulary rows at a time: the
+    chunked loss head (cpudist.model.loss) and forward both go through `blocks`."""
+
+    def blocks(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        """(first vocabulary row, the block's operand [rows, in] in the compute dtype, its row
+        scale or None) for each block; the operand lives in one scratch buffer, valid until the
+        next block is asked for."""
+        method, stored = METHODS[self.method], self.stored()
+        rows = min(HEAD_BLOCK_ROWS, self.out_features)
+        key = ("lm_head blocks", self.compute_dtype)
+        slot = _Scratch.slots.get(key)
+        if slot is None or slot.buffer.numel() < rows * self.in_features:
+            slot = _Scratch.slots[key] = _Slot(
+                torch.empty(rows * self.in_features, dtype=self.compute_dtype))
+        for start in range(0, self.out_features, rows):
+            part = {name: tensor[start : start + rows] for name, tensor in stored.items()}
+            count = part["qweight"].shape[0]
+            operand = slot.buffer[: count * self.in_features].view(count, self.in_features)
+            method.operand(part, operand)
+            yield start, operand, None if method.row_scale is None else part[method.row_scale]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _BlockedHeadMatmul.apply(x, self)
+
+
+def head_logits(rows: torch.Tensor, head: QuantizedHead, out: torch.Tensor) -> torch.Tensor:
+    """out [n, vocab] = rows [n, in] @ W^T (+ bias), a block of W at a time."""
+    for start, operand, scale in head.blocks():
+        part = out[:, start : start + operand.shape[0]]
+        torch.mm(rows, operand.t(), out=part)
+        if scale is not None:
+            part.mul_(scale)
+    if head.bias is not None:
+        out.add_(head.bias)
+    return out
+
+
+def head_input_gradient(logit_grads: torch.Tensor, head: QuantizedHead, out: torch.Tensor
+                        ) -> torch.Tensor:
+    """out [n, in] = logit_grads [n, vocab] @ W, a block of W at a time, summed in fp32 (one
+    rounding per block into a compute-dtype sum would add up over ~20 blocks). Scales
+    logit_grads in place by the row scales: the caller's buffer is spent."""
+    total = torch.zeros(out.shape, dtype=torch.float32)
+    product = torch.empty(out.shape, dtype=head.compute_dtype)
+    for start, operand, scale in head.blocks():
+        part = logit_grads[:, start : start + operand.shape[0]]
+        if scale is not None:
+            part.mul_(scale)
+        torch.mm(part, operand, out=product)
+        total.add_(product)
+    return out.copy_(total)
+
+
+class _BlockedHeadMatmul(torch.autograd.Function):
+    """x @ W^T (+ bias) for a QuantizedHead outside the chunked loss (full logits: generation,
+    evaluation without chunks); the input's gradient only, the head is frozen."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, head: QuantizedHead) -> torch.Tensor:
+        ctx.head, ctx.input_dtype = head, x.dtype
+        rows = x.reshape(-1, x.shape[-1]).to(head.compute_dtype)
+        out = torch.empty((rows.shape[0], head.out_features), dtype=head.compute_dtype)
+        return head_logits(rows, head, out).view(*x.shape[:-1], head.out_features)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        head = ctx.head
+        grads = grad.reshape(-1, head.out_features).to(head.compute_dtype, copy=True)
+        out = torch.empty((grads.shape[0], head.in_features), dtype=head.compute_dtype)
+        head_input_gradient(grads, head, out)
+        return out.view(*grad.shape[:-1], head.in_features).to(ctx.input_dtype), None
+
+
+def quantizable_head_name(model: nn.Module) -> str | None:
+    """The LM head's module name when it is a weight of its own (not tied to the embedding)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    config = model.config.get_text_config()
+    if head is None or getattr(config, "tie_word_embeddings", False) \
+            or head.weight is embedding.weight:
+        return None
+    return next(name for name, module in model.named_modules() if module is head)
+
+
+def replace_head(model: nn.Module, name: str, dtype: torch.dtype) -> None:
+    """Swap the LM head for a QuantizedHead (HEAD_METHOD) with empty (meta) buffers."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    linear = getattr(parent, child)
+    setattr(parent, child, QuantizedHead(linear.in_features, linear.out_features,
+                                         linear.bias is not None, HEAD_METHOD, 0, dtype))
+
+
 def frozen_linear_names(model: nn.Module) -> list[str]:
     """The decoder's nn.Linear modules (every one but the LM head): what gets quantized."""
     head = model.get_output_embeddings()
@@ -387,9 +493,10 @@ def _check_shapes(names: list[str], shapes: dict[str, tuple[int, int]], method: 
 
 
 def quantized_dir(model_dir: Path, linears: list[str], method: str, group: int,
-                  dtype: torch.dtype, cache_dir: Path) -> Path:
-    """The model's weights with the named linears quantized and every other floating tensor in
-    dtype, written once per node under cache_dir (one tensor at a time) and reused afterwards.
+                  dtype: torch.dtype, cache_dir: Path, head: str | None = None) -> Path:
+    """The model's weights with the named linears quantized (and the LM head `head`, if named,
+    with HEAD_METHOD) and every other floating tensor in dtype, written once per node under
+    cache_dir (one tensor at a time) and reused afterwards.
 
     Keyed by the files' path, size, mtime and safetensors headers (not their 15 GB of data) and by
     the method; nothing is written into the model directory.
@@ -397,10 +504,15 @@ def quantized_dir(model_dir: Path, linears: list[str], method: str, group: int,
     files = weight_files(model_dir)
     if not files:
         raise UserError(f"{model_dir}: model.quantize needs safetensors weights (*.safetensors)")
-    key = files_fingerprint(files, method, group, dtype, FORMAT)
+    key = files_fingerprint(files, method, group, dtype, FORMAT, *([] if head is None else [head]))
     name = f"{Path(model_dir).resolve().name}-{key}-{method}-g{group}-{str(dtype).removeprefix('torch.')}"
+    if head is not None:
+        name += f"-head{HEAD_METHOD}"
     target = Path(cache_dir).expanduser() / "quantized" / name
-    weights = {f"{linear}.weight": linear for linear in linears}
+    # source tensor -> (its linear, the method it is stored with)
+    weights = {f"{linear}.weight": (linear, method) for linear in linears}
+    if head is not None:
+        weights[f"{head}.weight"] = (head, HEAD_METHOD)
     with file_lock(target.with_name(f".{target.name}.lock")):
         if (target / MANIFEST).exists():
             return target
@@ -408,21 +520,24 @@ def quantized_dir(model_dir: Path, linears: list[str], method: str, group: int,
                  METHODS[method].describe, target)
         # In a child process: the memory the conversion used goes back to the system with it
         # (a preloaded malloc that keeps freed pages would otherwise hold it for the whole run).
-        run_apart(_write_quantized, Path(model_dir), files, weights, method, group, dtype, target)
+        run_apart(_write_quantized, Path(model_dir), files, weights, method, group, dtype, target,
+                  head)
     return target
 
 
-def _write_quantized(model_dir: Path, files: list[Path], weights: dict[str, str], method: str,
-                     group: int, dtype: torch.dtype, target: Path) -> None:
+def _write_quantized(model_dir: Path, files: list[Path], weights: dict[str, tuple[str, str]],
+                     method: str, group: int, dtype: torch.dtype, target: Path,
+                     head: str | None) -> None:
     headers = {file: read_header(file) for file in files}
-    shapes = {weights[n]: tuple(meta["shape"]) for _, (header, _) in headers.items()
+    shapes = {weights[n][0]: tuple(meta["shape"]) for _, (header, _) in headers.items()
               for n, meta in header.items() if n in weights}
-    missing = sorted(set(weights.values()) - set(shapes))
+    missing = sorted({linear for linear, _ in weights.values()} - set(shapes))
     if missing:
         raise UserError(f"{model_dir}: no weight for {missing[0]} in its safetensors files; "
                         "model.quantize needs tensor names that match the model (a plain "
                         "Hugging Face checkpoint)")
-    _check_shapes(list(weights.values()), shapes, method, group)
+    linears = sorted(linear for linear, _ in weights.values() if linear != head)
+    _check_shapes(linears, shapes, method, group)
     remove(target)
     target.mkdir(parents=True)
     weight_map: dict[str, str] = {}
@@ -435,7 +550,7 @@ def _write_quantized(model_dir: Path, files: list[Path], weights: dict[str, str]
             if tensor_name in weights:
                 rows, cols = meta["shape"]
                 stem = tensor_name.removesuffix(".weight")
-                for buffer, (shape, buffer_dtype) in METHODS[method].layout(
+                for buffer, (shape, buffer_dtype) in METHODS[weights[tensor_name][1]].layout(
                         rows, cols, group, dtype).items():
                     specs[f"{stem}.{buffer}"] = Spec(buffer_dtype, shape)
                     sources[f"{stem}.{buffer}"] = (tensor_name, buffer)
@@ -454,7 +569,7 @@ def _write_quantized(model_dir: Path, files: list[Path], weights: dict[str, str]
                 tensor = read_tensor(file, header[source], data_start)
                 return tensor.to(dtype) if tensor.is_floating_point() else tensor
             if source not in made:  # its first buffer: quantize the weight now
-                made[source] = METHODS[method].quantize(
+                made[source] = METHODS[weights[source][1]].quantize(
                     read_tensor(file, header[source], data_start), group, dtype)
             tensor = made[source].pop(buffer)
             if not made[source]:
@@ -469,4 +584,6 @@ def _write_quantized(model_dir: Path, files: list[Path], weights: dict[str, str]
     write_index(target, weight_map, total)
     (target / MANIFEST).write_text(json.dumps(
         {"method": method, "group": group, "dtype": str(dtype), "source": str(model_dir),
-         "linears": sorted(set(weights.values()))}, indent=1))
+         "linears": linears,
+         "head": None if head is None else {"name": head, "method": HEAD_METHOD}},
+        indent=1))

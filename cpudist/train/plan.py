@@ -233,9 +233,17 @@ def frozen_gb(config: Config, parts: Parts, compute: str) -> dict[str, float]:
         tokens = rows_per_micro_batch(config) * config.data.max_length
         rows = min(parts.vocab, tokens * config.train.grad_accum)
         frozen["embedding (rows read)"] = min(parts.embedding, rows * parts.hidden) * bytes_per / GB
-        frozen["LM head"] = parts.head * bytes_per / GB
+        if quantized_head(config, parts):  # int8 codes and a scale per vocabulary row
+            frozen["LM head (int8)"] = (parts.head + parts.vocab * bytes_per) / GB
+        else:
+            frozen["LM head"] = parts.head * bytes_per / GB
     frozen["norms, biases"] = parts.other * bytes_per / GB
     return frozen
+
+
+def quantized_head(config: Config, parts: Parts) -> bool:
+    """Whether the LM head is stored quantized (cpudist.model.quantize.QuantizedHead)."""
+    return config.model.quantize != "none" and config.model.quantize_head and not parts.tied
 
 
 def rows_per_micro_batch(config: Config) -> int:
@@ -290,6 +298,11 @@ def rank_gb(config: Config, parts: Parts, ranks_per_node: int, compute: str,
         largest = max(out * in_ for out, in_ in parts.linear_shapes)
         one_layer = max(largest, parts.linears / max(parts.layers, 1))
         rank["dequantization buffers"] = (one_layer * bytes_per + largest) / GB
+        if quantized_head(config, parts):  # one block of the head's rows at a time
+            from cpudist.model.quantize import HEAD_BLOCK_ROWS
+
+            block = min(HEAD_BLOCK_ROWS, parts.vocab) * parts.hidden * bytes_per
+            rank["dequantization buffers"] += block / GB
     rank["process"] = PROCESS_GB
     return rank
 

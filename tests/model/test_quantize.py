@@ -255,3 +255,100 @@ def test_the_compiled_int4_unpack_is_one_kernel_with_no_intermediate() -> None:
     eager = torch.empty_like(out)
     quantize._dequantize_int4(stored, eager)
     torch.testing.assert_close(out, eager, rtol=0, atol=eager.abs().max().item() * 2 ** -7)
+
+
+@pytest.fixture(scope="module")
+def untied_qwen(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 whose LM head is a weight of its own (as Qwen2.5-7B's), not the embedding."""
+    from tests.helpers import make_tiny_model
+
+    return make_tiny_model("qwen2", tokenizer_dir, tmp_path_factory.mktemp("untied-qwen2"),
+                           tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_quantized_head_computes_by_blocks_what_linear_computes_with_its_weight(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logits and the input's gradient, a block of vocabulary rows at a time (the last block
+    shorter), equal nn.Linear's with the dequantized weight and bias."""
+    from cpudist.model import quantize
+
+    monkeypatch.setattr(quantize, "HEAD_BLOCK_ROWS", 7)
+    torch.manual_seed(4)
+    weight, bias = torch.randn(50, 32) * 0.05, torch.randn(50) * 0.1
+    head = quantize.QuantizedHead(32, 50, True, "int8", 0, dtype, device="cpu")
+    for name, tensor in METHODS["int8"].quantize(weight, 0, dtype).items():
+        getattr(head, name).copy_(tensor)
+    head.bias.copy_(bias.to(dtype))
+    reference = torch.nn.Linear(32, 50, dtype=dtype)
+    reference.weight.data = head.dequantized(dtype)
+    reference.bias.data = bias.to(dtype)
+    assert len(list(head.blocks())) == 8
+    x = torch.randn(2, 3, 32, dtype=dtype, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, expected = head(x), reference(x_ref)
+    close = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 4e-3}
+    torch.testing.assert_close(out, expected, **close)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, **close)
+
+
+def test_an_untied_head_is_stored_int8_and_the_chunked_loss_matches_its_weight(
+        untied_qwen: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """model.quantize=int4 stores an untied LM head int8 in the node's cache and maps it; the
+    label-only chunked loss, several row chunks by several vocabulary blocks, gives the loss and
+    adapter gradients that an nn.Linear head holding the dequantized weight gives. With
+    model.quantize_head=false the head stays a plain linear, from a cache of its own."""
+    from cpudist.model import quantize
+
+    monkeypatch.setattr(quantize, "HEAD_BLOCK_ROWS", 1000)
+    model = _quantized(untied_qwen, tmp_path, "int4")
+    base = model.get_base_model()
+    head = base.get_output_embeddings()
+    assert isinstance(head, quantize.QuantizedHead) and head.method == "int8"
+    assert head.qweight.dtype == torch.int8 and head.out_features % 1000
+    (cache,) = [p for p in (tmp_path / "quantized").iterdir() if p.is_dir()]
+    manifest = json.loads((cache / "quantization.json").read_text())
+    assert manifest["head"] == {"name": "lm_head", "method": "int8"}
+    assert "lm_head" not in manifest["linears"] and manifest["method"] == "int4"
+    assert head.qweight.untyped_storage().nbytes() == (cache / "model.safetensors").stat().st_size
+
+    batch = collate(random_split([12, 9], base.config.vocab_size), [0, 1], pad_id=0)
+    loss, count, grads = loss_and_grads(CausalLMLoss(model, 8), batch)
+    plain = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+    plain.weight.data = head.dequantized()
+    plain.requires_grad_(False)
+    base.lm_head = plain
+    expected_loss, expected_count, expected = loss_and_grads(CausalLMLoss(model, 8), batch)
+    assert count == expected_count
+    assert loss == pytest.approx(expected_loss, rel=1e-5)
+    assert grads.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    torch.manual_seed(0)
+    kept = build_model(Config(model=ModelConfig(
+        path=str(untied_qwen), dtype="float32", quantize="int4", quantize_group=32,
+        cache_dir=str(tmp_path), quantize_head=False), lora=LoraConfig(r=4)),
+        choose_precision("float32"))[0].get_base_model()
+    assert type(kept.get_output_embeddings()) is torch.nn.Linear
+    assert len([p for p in (tmp_path / "quantized").iterdir() if p.is_dir()]) == 2
+
+
+def test_the_plan_counts_an_untied_head_in_int8(untied_qwen: Path, tiny_qwen: Path) -> None:
+    from cpudist.train.plan import frozen_gb, model_parts
+
+    def head_parts(path: Path, **model: object) -> dict[str, float]:
+        config = Config(model=ModelConfig(path=str(path), quantize="int8", **model))
+        return {k: v for k, v in frozen_gb(config, model_parts(config), "bfloat16").items()
+                if "head" in k}
+
+    parts = model_parts(Config(model=ModelConfig(path=str(untied_qwen))))
+    quantized = head_parts(untied_qwen)
+    assert quantized.keys() == {"LM head (int8)"}
+    assert quantized["LM head (int8)"] * 1024 ** 3 == pytest.approx(parts.head + 2 * parts.vocab)
+    assert head_parts(untied_qwen, quantize_head=False)["LM head"] * 1024 ** 3 == pytest.approx(
+        2 * parts.head)
+    assert head_parts(tiny_qwen).keys() == {"embedding + tied LM head"}  # tied: left as it is
