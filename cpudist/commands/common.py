@@ -140,11 +140,13 @@ def trained_model(choice: ModelChoice, dtype: str | None,
             print(f"base: {base_dir} (recorded by the adapter)", file=sys.stderr)
         base = str(base_dir)
     wanted = {"model.dtype": dtype, "model.quantize": choice.quantize,
-              "model.quantize_group": choice.quantize_group, **(settings or {})}
+              "model.quantize_group": choice.quantize_group, "model.quantize_head": None,
+              **(settings or {})}
     chosen = _settings_from_run(adapter or _trained_in_full(base), wanted)
     model = ModelConfig(path=base, dtype=chosen.pop("model.dtype"),
                         quantize=chosen.pop("model.quantize"),
-                        quantize_group=chosen.pop("model.quantize_group"))
+                        quantize_group=chosen.pop("model.quantize_group"),
+                        quantize_head=chosen.pop("model.quantize_head"))
     return TrainedModel(model, adapter, chosen)
 
 

@@ -137,7 +137,7 @@ def base_record(config: Config, model_dir: Path, head: Head = LM_HEAD) -> dict[s
         "fingerprint_scheme": FINGERPRINT_SCHEME,
         "config": {key: hf_config[key] for key in CONFIG_FIGURES if key in hf_config},
         "quantize": None if model.quantize == "none" else
-        {"method": model.quantize, "group": model.quantize_group},
+        {"method": model.quantize, "group": model.quantize_group, "head": model.quantize_head},
         **adapter_record(config),
         "labels": list(head.labels) if head.task == SEQ_CLS else None,
         "multi_label": head.multi_label,

@@ -113,7 +113,8 @@ def _model_key(engine: Engine, init: Path | None) -> str:
 
     model = engine.config.model
     return json.dumps([base_fingerprint(engine.session.model_dir), model.quantize,
-                       model.quantize_group, engine.session.precision.compute,
+                       model.quantize_group, model.quantize_head,
+                       engine.session.precision.compute,
                        model.attn_implementation, adapter_digest(init) if init else "fresh"])
 
 
