@@ -44,8 +44,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     a block of vocabulary rows at a time (head_logits, head_input_gradient)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, chunk: int, softcap: float | None = None,
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor | QuantizedHead,
+                bias: torch.Tensor | None, targets: torch.Tensor, chunk: int,
+                softcap: float | None = None,
                 segments: torch.Tensor | None = None, count: int = 1) -> torch.Tensor:
         total = hidden.new_zeros((count,) if segments is not None else (), dtype=torch.float32)
         quantized = weight if isinstance(weight, QuantizedHead) else None

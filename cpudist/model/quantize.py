@@ -333,8 +333,9 @@ class QuantizedLinear(nn.Module):
 
 # An untied LM head's method, and how many vocabulary rows of it are dequantized at a time: 8192
 # rows of Qwen2.5-7B's head are 56 MiB in bf16, and its 512-row GEMMs (logits, then the hidden
-# states' gradient) took 1.40 s a step in such blocks against 1.43 s for the whole bf16 weight on
-# Zen 5 (docs/PERFORMANCE.md, "7-8B models and quantized bases").
+# states' gradient) took 1.40-1.42 s a step in such blocks against 1.35-1.45 s for the whole bf16
+# weight on Zen 5; smaller blocks ran slower (docs/PERFORMANCE.md, "7-8B models and quantized
+# bases").
 HEAD_METHOD = "int8"
 HEAD_BLOCK_ROWS = 8192
 
