@@ -95,6 +95,14 @@ def configure_logging(placement: Placement, debug: bool = False) -> None:
     py_warnings = logging.getLogger("py.warnings")
     py_warnings.handlers[:] = [handler]
     py_warnings.propagate = False
+    # A library's own logger (kernels, which bitsandbytes brings in, warns at import) reaches the
+    # root logger, which has no handler, so Python's last resort prints it bare: give that one the
+    # prefix too. The root logger itself is left alone (pytest, notebooks and callers hang theirs
+    # on it).
+    last_resort = logging.StreamHandler(sys.stderr)
+    last_resort.setFormatter(logging.Formatter(f"{rank_prefix(placement)}%(message)s"))
+    last_resort.setLevel(logging.WARNING)
+    logging.lastResort = last_resort
 
 
 @contextlib.contextmanager
