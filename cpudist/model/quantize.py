@@ -227,6 +227,15 @@ class _Scratch:
     codes: torch.Tensor | None = None
 
     @classmethod
+    def slot(cls, name: str, numel: int, dtype: torch.dtype) -> _Slot:
+        """The slot `name` for `dtype`, with room for numel values (a new, empty one if the slot
+        held less)."""
+        slot = cls.slots.get((name, dtype))
+        if slot is None or slot.buffer.numel() < numel:
+            slot = cls.slots[(name, dtype)] = _Slot(torch.empty(numel, dtype=dtype))
+        return slot
+
+    @classmethod
     def operand(cls, layer: QuantizedLinear) -> torch.Tensor:
         rows, cols, dtype = layer.out_features, layer.in_features, layer.compute_dtype
         key = tuple(getattr(layer, name).data_ptr() for name in layer.stored_names)
@@ -234,9 +243,7 @@ class _Scratch:
         if slot is not None and slot.owner is not None and slot.owner() is layer \
                 and slot.key == key:
             return slot.buffer[: rows * cols].view(rows, cols)
-        if slot is None or slot.buffer.numel() < rows * cols:
-            slot = cls.slots[(layer.scratch_slot, dtype)] = _Slot(
-                torch.empty(rows * cols, dtype=dtype))
+        slot = cls.slot(layer.scratch_slot, rows * cols, dtype)
         out = slot.buffer[: rows * cols].view(rows, cols)
         slot.owner = None  # not valid while it is being written
         METHODS[layer.method].operand(layer.stored(), out)
@@ -350,11 +357,7 @@ class QuantizedHead(QuantizedLinear):
         next block is asked for."""
         method, stored = METHODS[self.method], self.stored()
         rows = min(HEAD_BLOCK_ROWS, self.out_features)
-        key = ("lm_head blocks", self.compute_dtype)
-        slot = _Scratch.slots.get(key)
-        if slot is None or slot.buffer.numel() < rows * self.in_features:
-            slot = _Scratch.slots[key] = _Slot(
-                torch.empty(rows * self.in_features, dtype=self.compute_dtype))
+        slot = _Scratch.slot("lm_head blocks", rows * self.in_features, self.compute_dtype)
         for start in range(0, self.out_features, rows):
             part = {name: tensor[start : start + rows] for name, tensor in stored.items()}
             count = part["qweight"].shape[0]
