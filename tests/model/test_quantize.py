@@ -24,9 +24,10 @@ from tests.helpers import loss_and_grads, random_split
 
 
 def _layer(weight: torch.Tensor, method: str, group: int, dtype: torch.dtype,
-           bias: torch.Tensor | None = None) -> QuantizedLinear:
+           bias: torch.Tensor | None = None, kind: type[QuantizedLinear] = QuantizedLinear
+           ) -> QuantizedLinear:
     out_f, in_f = weight.shape
-    layer = QuantizedLinear(in_f, out_f, bias is not None, method, group, dtype, device="cpu")
+    layer = kind(in_f, out_f, bias is not None, method, group, dtype, device="cpu")
     for name, tensor in METHODS[method].quantize(weight, group, dtype).items():
         getattr(layer, name).copy_(tensor)
     if bias is not None:
@@ -57,20 +58,28 @@ def test_layer_computes_what_linear_computes_with_the_restored_weight(method: st
     torch.manual_seed(1)
     weight, bias = torch.randn(48, 64) * 0.05, torch.randn(48) * 0.1
     layer = _layer(weight, method, 16, dtype, bias)
-    reference = torch.nn.Linear(64, 48, dtype=dtype)
-    reference.weight.data = layer.dequantized(dtype)
-    reference.bias.data = bias.to(dtype)
-    x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_(True)
-    out, expected = layer(x), reference(x_ref)
     # bf16: nn.Linear adds the bias inside the GEMM, the layer after rounding its output.
     close = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}
+    _assert_computes_like_linear(layer, bias, (3, 5), close)
+    assert not any(t.requires_grad for t in layer.buffers())
+
+
+def _assert_computes_like_linear(layer: QuantizedLinear, bias: torch.Tensor,
+                                 leading: tuple[int, ...], close: dict[str, float]) -> None:
+    """The layer's output and input gradient equal nn.Linear's holding its dequantized weight and
+    `bias`, for an input of shape leading + (in_features,)."""
+    dtype = layer.compute_dtype
+    reference = torch.nn.Linear(layer.in_features, layer.out_features, dtype=dtype)
+    reference.weight.data = layer.dequantized(dtype)
+    reference.bias.data = bias.to(dtype)
+    x = torch.randn(*leading, layer.in_features, dtype=dtype, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out, expected = layer(x), reference(x_ref)
     torch.testing.assert_close(out, expected, **close)
     grad = torch.randn_like(out)
     out.backward(grad)
     expected.backward(grad)
     torch.testing.assert_close(x.grad, x_ref.grad, **close)
-    assert not any(t.requires_grad for t in layer.buffers())
 
 
 def _quantized(model_dir: Path, cache: Path, method: str, dtype: str = "float32") -> torch.nn.Module:
@@ -276,23 +285,10 @@ def test_a_quantized_head_computes_by_blocks_what_linear_computes_with_its_weigh
     monkeypatch.setattr(quantize, "HEAD_BLOCK_ROWS", 7)
     torch.manual_seed(4)
     weight, bias = torch.randn(50, 32) * 0.05, torch.randn(50) * 0.1
-    head = quantize.QuantizedHead(32, 50, True, "int8", 0, dtype, device="cpu")
-    for name, tensor in METHODS["int8"].quantize(weight, 0, dtype).items():
-        getattr(head, name).copy_(tensor)
-    head.bias.copy_(bias.to(dtype))
-    reference = torch.nn.Linear(32, 50, dtype=dtype)
-    reference.weight.data = head.dequantized(dtype)
-    reference.bias.data = bias.to(dtype)
+    head = _layer(weight, "int8", 0, dtype, bias, kind=quantize.QuantizedHead)
     assert len(list(head.blocks())) == 8
-    x = torch.randn(2, 3, 32, dtype=dtype, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_(True)
-    out, expected = head(x), reference(x_ref)
     close = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 4e-3}
-    torch.testing.assert_close(out, expected, **close)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    expected.backward(grad)
-    torch.testing.assert_close(x.grad, x_ref.grad, **close)
+    _assert_computes_like_linear(head, bias, (2, 3), close)
 
 
 def test_an_untied_head_is_stored_int8_and_the_chunked_loss_matches_its_weight(
