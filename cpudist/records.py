@@ -483,6 +483,7 @@ class BenchResult:
     host: str | None = None
     quantization: str | None = None  # the peer's own quantization config, when it has one
     link_tx_bytes: int | None = None  # on fake nodes: bytes the nodes' interfaces sent
+    mkl: str | None = None  # MKL's kernel choice (cpudist.runtime.mkl_shim.describe)
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

@@ -13,6 +13,7 @@ from pathlib import Path
 from cpudist.errors import UserError
 from cpudist.records import BenchResult
 from cpudist.runtime.allocator import choose_allocator, preload_env, requested
+from cpudist.runtime.mkl_shim import library
 
 RESULT_MARK = "CPUDIST_BENCH_RESULT "
 
@@ -22,12 +23,14 @@ def print_result(result: BenchResult) -> None:
     print(RESULT_MARK + json.dumps(result.to_json()), flush=True)
 
 
-def child_env(allocator: str | None) -> dict[str, str]:
+def child_env(allocator: str | None, mkl_shim: bool = True) -> dict[str, str]:
     """This process's environment set up for a benchmark child process to run on `allocator`
-    (None: what cpudist.runtime.allocator.requested says)."""
+    (None: what cpudist.runtime.allocator.requested says) and, with mkl_shim, with MKL's shim
+    where this machine wants it (cpudist.runtime.mkl_shim); without, as PyTorch ships."""
     name, lib = choose_allocator(requested(allocator))
+    shim = library() if mkl_shim else None
     return {**os.environ, "PYTHONUNBUFFERED": "1",
-            **preload_env(name, lib, os.environ.get("LD_PRELOAD"))}
+            **preload_env(name, lib, os.environ.get("LD_PRELOAD"), shim)}
 
 
 def run_json(cmd: list[str], env: dict[str, str], what: str, on_stdout: bool = False

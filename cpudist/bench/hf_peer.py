@@ -40,6 +40,7 @@ from cpudist.data.tokenize import IGNORE
 from cpudist.records import BenchResult
 from cpudist.runtime.allocator import in_use as allocator_in_use
 from cpudist.runtime.memory import PssSampler, peak_rss_gb
+from cpudist.runtime.mkl_shim import describe as describe_mkl
 from cpudist.runtime.precision import Precision
 
 
@@ -228,7 +229,8 @@ def peer_result(config: Config, precision: Precision, steps: list[TimedStep],
         peak_rss_gb=[peak_rss_gb()], node_pss_gb=pss.peak / 1024**3, framework=framework,
         dtype=precision.describe(), threads=torch.get_num_threads(), world_size=1,
         steps=len(steps), warmup_steps=args.warmup, data=description,
-        model_dir=config.model.path, allocator=allocator_in_use(), flop_model=flops.as_dict(),
+        model_dir=config.model.path, allocator=allocator_in_use(), mkl=describe_mkl(),
+        flop_model=flops.as_dict(),
         config=config.to_dict(), host=socket.gethostname(), **figures)
     print(json.dumps({k: v for k, v in result.to_json().items() if k not in ("config", "step_s")}))
     if args.json:

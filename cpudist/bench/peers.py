@@ -60,7 +60,9 @@ def run_vs(peer: str, config: Config, args: BenchArgs, rounds: int, allocator: s
 
     The peer runs twice a round: on its own allocator (peer_allocator, default none: glibc
     malloc, as HF Trainer runs unless a user preloads one) and on cpudist's, so that both ratios
-    (as each ships, and the same malloc on both sides) come from one command.
+    (as each ships, and the same malloc on both sides) come from one command. On cpudist's malloc
+    it also gets cpudist's MKL shim (cpudist.runtime.mkl_shim), as cpudist's processes do: the
+    same process setup on both sides; as it ships it runs without.
     """
     from cpudist.train.plan import resolve_batch
 
@@ -71,9 +73,11 @@ def run_vs(peer: str, config: Config, args: BenchArgs, rounds: int, allocator: s
     same = f"{peer} (same malloc)"
     ours_name, _ = choose_allocator(requested(allocator))
     peer_name, _ = choose_allocator(requested(peer_allocator))
-    sides = {"cpudist": (allocator, "cpudist bench"), peer: (peer_allocator, name)}
+    # side: (allocator, with cpudist's MKL shim, what it is)
+    sides = {"cpudist": (allocator, True, "cpudist bench"),
+             peer: (peer_allocator, peer_name == ours_name, name)}
     if peer_name != ours_name:
-        sides[same] = (allocator, f"{name}, on cpudist's malloc")
+        sides[same] = (allocator, True, f"{name}, on cpudist's malloc")
     # The resolved config already holds every bench flag that is a setting (batch, length,
     # dtype, threads, the preset's directory); the rest is what to time.
     timing = ["--data", args.data, "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -86,8 +90,8 @@ def run_vs(peer: str, config: Config, args: BenchArgs, rounds: int, allocator: s
                            if side == "cpudist" else [*program, str(resolved), *timing])
                     for side in sides}
         for _ in range(rounds):
-            for side, (side_allocator, what) in sides.items():
-                runs[side].append(run_json(commands[side], child_env(side_allocator), what))
+            for side, (side_allocator, shim, what) in sides.items():
+                runs[side].append(run_json(commands[side], child_env(side_allocator, shim), what))
     best = {side: max(items, key=lambda r: r.tokens_per_s) for side, items in runs.items()}
     return VsOutcome(peer, best, runs, ratios(best["cpudist"], best[peer]),
                      ratios(best["cpudist"], best[same]) if same in best else None)

@@ -39,6 +39,7 @@ from cpudist.records import BenchResult
 from cpudist.runtime.allocator import in_use as allocator_in_use
 from cpudist.runtime.comm import agreed, all_gather, allreduce, barrier, bus_gbps, step_figures
 from cpudist.runtime.memory import PssSampler, peak_rss_gb
+from cpudist.runtime.mkl_shim import describe as describe_mkl
 from cpudist.runtime.process import Process, start_process
 from cpudist.train.engine import Engine, build_engine
 from cpudist.train.plan import resolve_batch
@@ -98,7 +99,7 @@ def _bench(config: Config, args: BenchArgs, process: Process) -> BenchResult | N
         framework="cpudist", dtype=engine.session.precision.describe(), threads=process.threads,
         world_size=placement.world_size, steps=args.steps, warmup_steps=args.warmup,
         data=engine.data.description, model_dir=str(engine.session.model_dir),
-        allocator=allocator_in_use(), flop_model=measured.flops.as_dict(),
+        allocator=allocator_in_use(), mkl=describe_mkl(), flop_model=measured.flops.as_dict(),
         config=config.to_dict(), load_s=load_s, prepare_s=prepare_s, prepared=prepared,
         peak_rss_after_load_gb=rss_loaded,
         losses=measured.losses, compiled=engine.compiled, preset=args.preset, layers=args.layers,

@@ -77,6 +77,7 @@ def _compile_readiness() -> str:
 def report() -> list[tuple[str, str]]:
     import torch
 
+    from cpudist.runtime import mkl_shim
     from cpudist.runtime.cluster import detect_placement, threads_for_rank
     from cpudist.runtime.comm import ccl_available
     from cpudist.runtime.hardware import cpu_info, physical_cores
@@ -96,6 +97,7 @@ def report() -> list[tuple[str, str]]:
                       f"{placement.local_size} on this node"),
         ("threads per rank", str(threads_for_rank(placement))),
         ("malloc (train, bench, ...)", _malloc()),
+        ("MKL (train, bench, ...)", mkl_shim.for_compute_commands()),
         ("torch.compile (auto)", _compile_readiness()),
         ("python", platform.python_version()),
         ("torch", f"{torch.__version__} (gloo: {torch.distributed.is_gloo_available()})"),

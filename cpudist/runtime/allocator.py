@@ -9,7 +9,8 @@ by side in docs/PERFORMANCE.md ("Allocator").
 
 Preloading has to happen before a process starts, so the compute commands (train, bench, eval,
 generate, merge) run themselves again, once, with LD_PRELOAD set (`ensure`); `cpudist launch`
-and `cpudist scaling` put the same variables into the ranks' environment. CPUDIST_ALLOCATOR
+and `cpudist scaling` put the same variables into the ranks' environment. The same LD_PRELOAD
+carries MKL's shim (cpudist.runtime.mkl_shim) where the machine wants it. CPUDIST_ALLOCATOR
 (auto | mimalloc | jemalloc | tcmalloc | none, default auto) chooses; auto takes the first of
 AUTO_ORDER that loads, and glibc malloc when none does.
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 from cpudist.errors import UserError
+from cpudist.runtime import mkl_shim
 
 Allocator = Literal["auto", "mimalloc", "jemalloc", "tcmalloc", "none"]
 CHOICES: tuple[Allocator, ...] = ("auto", "mimalloc", "jemalloc", "tcmalloc", "none")
@@ -123,12 +125,16 @@ def _is_allocator(entry: str) -> bool:
                for library in LIBRARIES.values() for pattern in library.patterns)
 
 
-def preload_env(name: str | None, lib: str | None, ld_preload: str | None) -> dict[str, str]:
-    """Variables that make a new process run on allocator `name` at `lib` (None: glibc malloc):
-    LD_PRELOAD (other preloads kept after it, other allocators dropped), its settings (keep
-    freed pages for reuse), and ENV so a cpudist command started with them keeps this choice."""
-    kept = [e for e in (ld_preload or "").split(":") if e and not _is_allocator(e)]
-    env = {ENV: name or "none", "LD_PRELOAD": ":".join([lib, *kept] if lib else kept)}
+def preload_env(name: str | None, lib: str | None, ld_preload: str | None,
+                shim: str | None = None) -> dict[str, str]:
+    """Variables that make a new process run on allocator `name` at `lib` (None: glibc malloc)
+    and, given `shim`, with cpudist.runtime.mkl_shim's library: LD_PRELOAD (the allocator, then
+    the shim, other preloads kept after them, other allocators and shims dropped), the
+    allocator's settings (keep freed pages for reuse), and ENV so a cpudist command started with
+    them keeps this choice."""
+    kept = [e for e in (ld_preload or "").split(":")
+            if e and not _is_allocator(e) and not mkl_shim.is_shim(e)]
+    env = {ENV: name or "none", "LD_PRELOAD": ":".join([p for p in (lib, shim) if p] + kept)}
     if name is not None:
         env.update(LIBRARIES[name].settings)
     return env
@@ -153,17 +159,27 @@ def _mapped_paths(maps_text: str) -> set[str]:
     return {line.split()[-1] for line in maps_text.splitlines() if "/" in line}
 
 
+def _mapped(path: str, maps: Path = Path("/proc/self/maps")) -> bool:
+    try:
+        return str(Path(path).resolve()) in _mapped_paths(maps.read_text())
+    except OSError:
+        return False
+
+
 def ensure(request: str | None = None, environ: Mapping[str, str] | None = None) -> None:
-    """Run this process again (same pid, same arguments) on the requested allocator when it runs
-    on another one; call before anything big is allocated. request: default ENV, else auto."""
+    """Run this process again (same pid, same arguments) on the requested allocator, and with
+    MKL's shim where this machine wants it (cpudist.runtime.mkl_shim), when it runs without them;
+    call before anything big is allocated. request: default ENV, else auto. Each process checks
+    for itself, so the ranks on another node build and preload their node's own shim."""
     environ = os.environ if environ is None else environ
     request = requested(request, environ)
     if os.environ.pop(_REEXECUTED, None) or sys.platform != "linux":
         return  # this is the run again (the marker must not reach child processes)
     name, lib = choose_allocator(request)
-    if in_use().split(" ")[0] == (name or "glibc"):
+    shim = mkl_shim.library(environ)
+    if in_use().split(" ")[0] == (name or "glibc") and (shim is None or _mapped(shim)):
         return
-    env = {**environ, **preload_env(name, lib, environ.get("LD_PRELOAD")), _REEXECUTED: "1"}
+    env = {**environ, **preload_env(name, lib, environ.get("LD_PRELOAD"), shim), _REEXECUTED: "1"}
     if not env["LD_PRELOAD"]:
         del env["LD_PRELOAD"]
     sys.stdout.flush()

@@ -20,6 +20,7 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 class CpuInfo:
     model: str
     flags: tuple[str, ...]  # the interesting subset, in _INTERESTING order
+    vendor: str = ""  # vendor_id: GenuineIntel, AuthenticAMD, ... ("" where not reported)
 
     @property
     def fast_bf16(self) -> bool:
@@ -29,7 +30,7 @@ class CpuInfo:
 @lru_cache(maxsize=1)
 def cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> CpuInfo:
     path = Path(cpuinfo_path)
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags, vendor = platform.processor() or platform.machine(), set(), ""
     if path.exists():
         for line in path.read_text(errors="replace").splitlines():
             key, _, value = line.partition(":")
@@ -38,7 +39,9 @@ def cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> CpuInfo:
                 model = value.strip()
             elif key in ("flags", "Features") and not flags:
                 flags = set(value.split())
-    return CpuInfo(model=model, flags=tuple(f for f in _INTERESTING if f in flags))
+            elif key == "vendor_id" and not vendor:
+                vendor = value.strip()
+    return CpuInfo(model=model, flags=tuple(f for f in _INTERESTING if f in flags), vendor=vendor)
 
 
 def physical_cores() -> int:

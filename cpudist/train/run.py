@@ -36,6 +36,7 @@ from cpudist.runtime.cluster import Placement
 from cpudist.runtime.comm import agreed, allreduce, rank0_only
 from cpudist.runtime.hardware import cpu_info
 from cpudist.runtime.memory import peak_rss_gb
+from cpudist.runtime.mkl_shim import describe as describe_mkl
 from cpudist.runtime.process import Process, start_process
 from cpudist.train import checkpoint, faults
 from cpudist.train.baseline import baseline_evaluation
@@ -182,7 +183,8 @@ def set_up(resolved: Resolved, process: Process, stop: StopFlag, started: float)
         log.info("batch: %s", resolved.batch_line)
     log.info("config:\n%s", config.to_yaml().rstrip())
     log.info(process.describe())
-    log.info("communication: %s; malloc: %s", process.communication, allocator_in_use())
+    log.info("communication: %s; malloc: %s; MKL: %s", process.communication, allocator_in_use(),
+             describe_mkl())
     engine = build_engine(config, process)
     log_setup(engine)
     resumed = resolved.checkpoint is not None

@@ -196,6 +196,12 @@ def test_bench_vs_hf_times_the_same_samples_and_prints_ratios(tiny_qwen: Path,
 
     assert hf["allocator"] == "glibc malloc"
     assert ours["allocator"].split(" ")[0] == (choose_allocator("auto")[0] or "glibc")
+    # So is MKL: cpudist's processes get the shim wherever this machine wants it, HF's not.
+    from cpudist.runtime.mkl_shim import library
+
+    assert hf["mkl"].startswith("as shipped")
+    assert ours["mkl"] == ("kernels chosen by the CPU's features (cpudist's shim preloaded)"
+                           if library() else hf["mkl"])
     # Same model and FLOP formula; both sides time one epoch over the same 8 samples: the same
     # real and label tokens.
     assert hf["flop_model"] == ours["flop_model"]
