@@ -1,23 +1,24 @@
 """MKL's kernels on CPUs that are not Intel's: a preloaded answer to its vendor check.
 
-PyTorch's x86 wheels link MKL in, and a few of PyTorch's own CPU kernels call it directly. The
-one that matters here is CPU flash attention (what `sdpa` runs): its bf16 GEMMs, forward and
-backward, go to MKL's `cblas_gemm_bf16bf16f32`. MKL chooses its kernels by CPU vendor first: on a
-CPU whose vendor is not GenuineIntel it runs a generic path, which on an AMD Zen 5 with
-AVX512-BF16 computes those products in fp32, at about a tenth of the CPU's bf16 GEMM rate (flash
-attention's forward on the Qwen2.5-7B shape took 21.3 ms in bf16, 20.1 ms in fp32). MKL asks its
-exported function `mkl_serv_intel_cpu_true()`; a library preloaded before libtorch that defines it
-to return 1 makes MKL choose its kernels by the CPU's feature bits, as it does on Intel CPUs. On
-that Zen 5 the forward then took 5.6 ms and the backward 20.1 against 36.2 ms; measured steps are
-in docs/PERFORMANCE.md ("MKL on AMD CPUs").
+PyTorch's x86 wheels link MKL in, and MKL runs every fp32 GEMM (`mm`, `addmm`, `bmm` in fp32)
+and, inside CPU flash attention (what `sdpa` runs), the bf16 GEMMs of its forward and backward
+(`cblas_gemm_bf16bf16f32`). MKL chooses its kernels by CPU vendor first: on a CPU whose vendor is
+not GenuineIntel it runs code that leaves AVX-512 unused. On an AMD Zen 5 with AVX-512 and
+AVX512-BF16 that halved the fp32 GEMM rate (0.22 against 0.52 TFLOP/s on the bench's probe) and
+ran flash attention's bf16 products in fp32 at about a tenth of the CPU's bf16 GEMM rate (its
+forward on the Qwen2.5-7B shape took 22 ms in bf16, as long as in fp32). MKL asks its exported
+function `mkl_serv_intel_cpu_true()`; a library preloaded before libtorch that defines it to
+return 1 makes MKL choose its kernels by the CPU's feature bits, as it does on Intel CPUs. On
+that Zen 5 the attention forward then took 6 ms and an fp32 training step half its time;
+measured steps are in docs/PERFORMANCE.md ("MKL on AMD CPUs").
 
 The library is one line of C, built on first use with the C compiler that torch.compile also needs
 (`cc`, or $CC) into the user's cache ($XDG_CACHE_HOME/cpudist, else ~/.cache/cpudist), and put in
-LD_PRELOAD with the allocator (cpudist.runtime.allocator.preload_env), so the compute commands,
-the ranks `cpudist launch` starts and the bench's children all get it. CPUDIST_MKL_SHIM chooses:
-auto (default) preloads it on x86 CPUs that are not Intel's and have AVX512-BF16 (AMD Zen 4 and
-later, where it was measured), on preloads it on any x86 CPU that is not Intel's, off never.
-Without a C compiler the processes run as PyTorch ships and `cpudist env` says why.
+LD_PRELOAD with the allocator (cpudist.runtime.allocator), so the compute commands, the ranks
+they run as and the bench's children all get it. CPUDIST_MKL_SHIM chooses: auto (default)
+preloads it on x86 CPUs that are not Intel's and have AVX-512 (AMD Zen 4 and later, where it was
+measured), on preloads it on any x86 CPU that is not Intel's (AVX2-only ones: not measured), off
+never. Without a C compiler the processes run as PyTorch ships and `cpudist env` says why.
 """
 
 from __future__ import annotations
@@ -58,9 +59,8 @@ def why_not(request: str) -> str | None:
         return "not an x86 CPU (no MKL in PyTorch's wheel)"
     if info.vendor == "GenuineIntel":
         return "an Intel CPU: MKL already chooses its kernels by the CPU's features"
-    if request == "auto" and "avx512_bf16" not in info.flags:
-        return (f"no AVX512-BF16 (auto preloads it only where it was measured; {ENV}=on forces "
-                "it)")
+    if request == "auto" and "avx512f" not in info.flags:
+        return f"no AVX-512 (auto preloads it only where it was measured; {ENV}=on forces it)"
     return None
 
 
