@@ -105,19 +105,20 @@ def build() -> tuple[str | None, str]:
     return None, "no writable cache directory for it"
 
 
+def _choice(environ: Mapping[str, str] | None = None) -> tuple[str | None, str]:
+    """(the shim's path, "") where this machine wants it and it is built, else (None, why not)."""
+    reason = why_not(requested(environ))
+    return build() if reason is None else (None, reason)
+
+
 def library(environ: Mapping[str, str] | None = None) -> str | None:
     """The shim's path when this machine wants it (CPUDIST_MKL_SHIM) and it could be built."""
-    if why_not(requested(environ)):
-        return None
-    return build()[0]
+    return _choice(environ)[0]
 
 
 def for_compute_commands() -> str:
     """What the processes cpudist starts get (`cpudist env`)."""
-    reason = why_not(requested())
-    path = None
-    if reason is None:
-        path, reason = build()
+    path, reason = _choice()
     if path:
         return f"kernels chosen by the CPU's features: {path} preloaded ({ENV}={requested()})"
     return f"as shipped: {reason}"
@@ -132,9 +133,5 @@ def describe(maps: Path = Path("/proc/self/maps")) -> str:
         loaded = False
     if loaded:
         return "kernels chosen by the CPU's features (cpudist's shim preloaded)"
-    reason = why_not(requested())
-    if reason is None:
-        path, reason = build()
-        if path:
-            reason = "not preloaded in this process"
-    return f"as shipped ({reason})"
+    path, reason = _choice()
+    return f"as shipped ({'not preloaded in this process' if path else reason})"

@@ -98,3 +98,13 @@ def test_mkl_inside_libtorch_calls_the_preloaded_definition(tmp_path: Path) -> N
                           env={**os.environ, "LD_PRELOAD": str(probe)}, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.strip()) > 0
+
+
+def test_describe_reads_this_process_s_mapped_libraries(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CPUDIST_MKL_SHIM", "off")
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f10 r-xp 0 08:01 1 /home/u/.cache/cpudist/libcpudist_mkl_shim-ab.so\n")
+    assert mkl_shim.describe(maps) == "kernels chosen by the CPU's features (cpudist's shim preloaded)"
+    maps.write_text("7f00-7f10 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert mkl_shim.describe(maps) == "as shipped (CPUDIST_MKL_SHIM=off)"

@@ -46,6 +46,11 @@ def test_two_ranks_match_one_rank_and_only_rank0_writes(tiny_llama: Path, tmp_pa
     single = run([*cpudist_cmd(), "train",
                   *tiny_overrides(tiny_llama, data, one, train__batch_size=4, **common)])
     assert single.returncode == 0, single.stderr[-3000:]
+    # The command ran itself again with MKL's shim preloaded where this machine wants it.
+    from cpudist.runtime.mkl_shim import library
+
+    assert ("MKL: kernels chosen by the CPU's features (cpudist's shim preloaded)" if library()
+            else "MKL: as shipped (") in single.stdout + single.stderr
 
     two = tmp_path / "two"
     logs = tmp_path / "logs"
