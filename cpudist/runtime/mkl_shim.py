@@ -68,6 +68,12 @@ def is_shim(entry: str) -> bool:
     return Path(entry).name.startswith(PREFIX)
 
 
+def _ours(path: Path) -> bool:
+    """Owned by this user and writable by no one else (a shared /tmp must not supply it)."""
+    status = path.stat()
+    return status.st_uid == os.getuid() and not status.st_mode & 0o022
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "cpudist"
@@ -77,18 +83,23 @@ def _cache_dir() -> Path:
 def build() -> tuple[str | None, str]:
     """(path of the built library, "") or (None, why it could not be built). Built once per
     machine and source; written under a temporary name and renamed, so concurrent ranks never
-    preload half a file."""
+    preload half a file. Every process preloads it, so a file or directory that another user
+    could have written is passed over (then a private directory under the temporary one)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which(
         "clang")
     digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:12]
     for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"cpudist-{os.getuid()}"):
         target = directory / f"{PREFIX}-{digest}.so"
-        if target.is_file():
-            return str(target), ""
-        if compiler is None:
-            return None, "no C compiler (cc) to build it (apt-get install gcc)"
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            if target.is_file():
+                if _ours(directory) and _ours(target):
+                    return str(target), ""
+                continue  # every process would preload it: only a file of this user's will do
+            if compiler is None:
+                return None, "no C compiler (cc) to build it (apt-get install gcc)"
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not _ours(directory):
+                continue
             with tempfile.TemporaryDirectory(dir=directory) as tmp:
                 source, built = Path(tmp) / "shim.c", Path(tmp) / "shim.so"
                 source.write_text(SOURCE)
@@ -96,6 +107,7 @@ def build() -> tuple[str | None, str]:
                                        str(source)], capture_output=True, text=True, timeout=120)
                 if done.returncode != 0:
                     return None, f"{compiler} failed: {done.stderr.strip()[:200]}"
+                built.chmod(0o755)
                 built.replace(target)
             return str(target), ""
         except OSError:

@@ -63,6 +63,17 @@ def test_built_once_and_answers_mkl_vendor_check_with_yes(fresh_build: Path) -> 
     assert [p.name for p in fresh_build.iterdir()] == [Path(path).name]  # no leftovers
 
 
+def test_a_file_others_could_have_written_is_never_preloaded(
+        fresh_build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = Path(_built(fresh_build))
+    path.chmod(0o777)  # writable by anyone: it could hold anything by now
+    monkeypatch.setattr(mkl_shim.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    mkl_shim.build.cache_clear()
+    again, _ = mkl_shim.build()
+    assert again is not None and Path(again).parent == tmp_path / "tmp" / f"cpudist-{os.getuid()}"
+    assert oct(Path(again).parent.stat().st_mode & 0o777) == "0o700"
+
+
 def test_without_a_compiler_it_says_so(fresh_build: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", "")
     monkeypatch.setattr(mkl_shim.shutil, "which", lambda name: None)
