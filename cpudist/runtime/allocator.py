@@ -31,6 +31,7 @@ from typing import Literal
 
 from cpudist.errors import UserError
 from cpudist.runtime import mkl_shim
+from cpudist.runtime.memory import mapped_files
 
 Allocator = Literal["auto", "mimalloc", "jemalloc", "tcmalloc", "none"]
 CHOICES: tuple[Allocator, ...] = ("auto", "mimalloc", "jemalloc", "tcmalloc", "none")
@@ -142,28 +143,15 @@ def preload_env(name: str | None, lib: str | None, ld_preload: str | None,
 
 def in_use(maps: Path = Path("/proc/self/maps")) -> str:
     """The allocator this process runs on, from its mapped libraries."""
-    try:
-        text = maps.read_text()
-    except OSError:
+    mapped = mapped_files(maps)
+    if mapped is None:
         return "unknown"
     for name, library in LIBRARIES.items():
-        if any(Path(path).match(pattern) for path in _mapped_paths(text)
-               for pattern in library.patterns):
+        if any(Path(path).match(pattern) for path in mapped for pattern in library.patterns):
             settings = ",".join(f"{key}={os.environ[key]}" for key in library.settings
                                 if key in os.environ)
             return f"{name} ({settings})" if settings else name
     return "glibc malloc"
-
-
-def _mapped_paths(maps_text: str) -> set[str]:
-    return {line.split()[-1] for line in maps_text.splitlines() if "/" in line}
-
-
-def _mapped(path: str, maps: Path = Path("/proc/self/maps")) -> bool:
-    try:
-        return str(Path(path).resolve()) in _mapped_paths(maps.read_text())
-    except OSError:
-        return False
 
 
 def ensure(request: str | None = None, environ: Mapping[str, str] | None = None) -> None:
@@ -177,7 +165,8 @@ def ensure(request: str | None = None, environ: Mapping[str, str] | None = None)
         return  # this is the run again (the marker must not reach child processes)
     name, lib = choose_allocator(request)
     shim = mkl_shim.library(environ)
-    if in_use().split(" ")[0] == (name or "glibc") and (shim is None or _mapped(shim)):
+    if in_use().split(" ")[0] == (name or "glibc") and (
+            shim is None or str(Path(shim).resolve()) in (mapped_files() or set())):
         return
     env = {**environ, **preload_env(name, lib, environ.get("LD_PRELOAD"), shim), _REEXECUTED: "1"}
     if not env["LD_PRELOAD"]:

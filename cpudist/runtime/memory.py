@@ -13,6 +13,16 @@ CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"),  # cgroup v2
                  Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))  # cgroup v1
 
 
+def mapped_files(maps: Path = Path("/proc/self/maps")) -> set[str] | None:
+    """The files this process has mapped (its libraries among them), or None where maps cannot
+    be read."""
+    try:
+        text = maps.read_text()
+    except OSError:
+        return None
+    return {line.split()[-1] for line in text.splitlines() if "/" in line}
+
+
 def peak_rss_gb() -> float:
     """Largest resident set of this process so far (ru_maxrss), in GB."""
     import resource

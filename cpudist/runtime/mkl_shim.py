@@ -35,6 +35,7 @@ from pathlib import Path
 
 from cpudist.errors import UserError
 from cpudist.runtime.hardware import cpu_info
+from cpudist.runtime.memory import mapped_files
 
 ENV = "CPUDIST_MKL_SHIM"
 CHOICES = ("auto", "on", "off")
@@ -138,12 +139,7 @@ def for_compute_commands() -> str:
 
 def describe(maps: Path = Path("/proc/self/maps")) -> str:
     """One line on MKL's kernel choice in this process, for logs and result files."""
-    try:
-        loaded = any(is_shim(line.split()[-1]) for line in maps.read_text().splitlines()
-                     if "/" in line)
-    except OSError:
-        loaded = False
-    if loaded:
+    if any(is_shim(path) for path in mapped_files(maps) or ()):
         return "kernels chosen by the CPU's features (cpudist's shim preloaded)"
     path, reason = _choice()
     return f"as shipped ({'not preloaded in this process' if path else reason})"
