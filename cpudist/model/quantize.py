@@ -526,7 +526,31 @@ def quantized_dir(model_dir: Path, linears: list[str], method: str, group: int,
         # (a preloaded malloc that keeps freed pages would otherwise hold it for the whole run).
         run_apart(_write_quantized, Path(model_dir), files, weights, method, group, dtype, target,
                   head)
+    _remove_superseded(target)
     return target
+
+
+def _remove_superseded(target: Path) -> None:
+    """Remove the cache's other copies of the same model directory with the same settings: their
+    key no longer matches (its weight files were rewritten, or FORMAT changed), so nothing will
+    read them again, and a 7B's copy is 5-8 GB of disk."""
+    mine = json.loads((target / MANIFEST).read_text())
+    mine["source"] = str(Path(mine["source"]).resolve())
+    for other in target.parent.iterdir():
+        if other == target or not (other / MANIFEST).is_file():
+            continue
+        try:
+            theirs = json.loads((other / MANIFEST).read_text())
+            theirs["source"] = str(Path(theirs["source"]).resolve())
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a manifest this version wrote: leave it
+        if {k: theirs.get(k) for k in mine} != mine:
+            continue
+        with file_lock(other.with_name(f".{other.name}.lock")):
+            log.info("removing %s: an older quantized copy of %s with the same settings", other,
+                     mine["source"])
+            (other / MANIFEST).unlink(missing_ok=True)  # first: a part-removed copy is never used
+            remove(other)
 
 
 def _write_quantized(model_dir: Path, files: list[Path], weights: dict[str, tuple[str, str]],

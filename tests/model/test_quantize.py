@@ -136,14 +136,29 @@ def test_quantized_logits_stay_close_and_dequantizing_restores_plain_linears(
                                        atol=1e-4)
 
 
-def test_cache_key_follows_the_files(tiny_qwen: Path, tmp_path: Path) -> None:
+def test_cache_key_follows_the_files_and_a_new_copy_replaces_the_old(tiny_qwen: Path,
+                                                                     tmp_path: Path) -> None:
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_qwen, model_dir)
+
+    def copies() -> set[str]:
+        return {p.name for p in (tmp_path / "quantized").iterdir() if p.is_dir()}
+
     _quantized(model_dir, tmp_path, "int8")
+    _quantized(model_dir, tmp_path, "int4")
+    first = copies()
+    other_model = tmp_path / "elsewhere" / "model"  # the same name, another directory
+    shutil.copytree(tiny_qwen, other_model)
+    _quantized(other_model, tmp_path, "int8")
+    assert len(copies()) == 3
     weights = model_dir / "model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     _quantized(model_dir, tmp_path, "int8")  # the model changed: quantized again
-    assert len([p for p in (tmp_path / "quantized").iterdir() if p.is_dir()]) == 2
+    now = copies()
+    # The stale int8 copy of this directory is gone; its int4 copy and the other model's stay.
+    assert len(now) == 3 and len(now - first) == 2
+    (int8_before,) = [n for n in first if "-int8-" in n]
+    assert int8_before not in now and [n for n in first if "-int4-" in n][0] in now
 
 
 def test_a_group_that_does_not_divide_the_columns_is_refused(tiny_qwen: Path,
