@@ -535,15 +535,16 @@ def _remove_superseded(target: Path) -> None:
     key no longer matches (its weight files were rewritten, or FORMAT changed), so nothing will
     read them again, and a 7B's copy is 5-8 GB of disk."""
     mine = json.loads((target / MANIFEST).read_text())
-    mine["source"] = str(Path(mine["source"]).resolve())
     for other in target.parent.iterdir():
         if other == target or not (other / MANIFEST).is_file():
             continue
         try:
             theirs = json.loads((other / MANIFEST).read_text())
-            theirs["source"] = str(Path(theirs["source"]).resolve())
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not a manifest this version wrote: leave it
+        except (OSError, ValueError):
+            continue
+        # A relative source (older manifests) may name another directory from another cwd.
+        if not Path(str(theirs.get("source"))).is_absolute():
+            continue
         if {k: theirs.get(k) for k in mine} != mine:
             continue
         with file_lock(other.with_name(f".{other.name}.lock")):
@@ -611,7 +612,7 @@ def _write_quantized(model_dir: Path, files: list[Path], weights: dict[str, tupl
             total += spec.nbytes
     write_index(target, weight_map, total)
     (target / MANIFEST).write_text(json.dumps(
-        {"method": method, "group": group, "dtype": str(dtype), "source": str(model_dir),
+        {"method": method, "group": group, "dtype": str(dtype), "source": str(model_dir.resolve()),
          "linears": linears,
          "head": None if head is None else {"name": head, "method": HEAD_METHOD}},
         indent=1))
