@@ -80,14 +80,19 @@ def _cache_dir() -> Path:
     return Path(base) / "cpudist"
 
 
+def c_compiler() -> str | None:
+    """The C compiler the shim is built with: $CC, else cc, gcc or clang on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which(
+        "clang")
+
+
 @functools.cache
 def build() -> tuple[str | None, str]:
     """(path of the built library, "") or (None, why it could not be built). Built once per
     machine and source; written under a temporary name and renamed, so concurrent ranks never
     preload half a file. Every process preloads it, so a file or directory that another user
     could have written is passed over (then a private directory under the temporary one)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which(
-        "clang")
+    compiler = c_compiler()
     digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:12]
     for directory in (_cache_dir(), Path(tempfile.gettempdir()) / f"cpudist-{os.getuid()}"):
         target = directory / f"{PREFIX}-{digest}.so"

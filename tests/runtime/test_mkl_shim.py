@@ -93,13 +93,11 @@ def test_mkl_inside_libtorch_calls_the_preloaded_definition(tmp_path: Path) -> N
     """What the shim relies on, across the process boundary: MKL, linked into libtorch_cpu, looks
     its vendor check up through the dynamic linker, so a preloaded definition is the one it runs.
     A stand-in with the shim's symbol counts its calls during one fp32 matmul (MKL's sgemm)."""
-    import shutil
-
     from cpudist.runtime.hardware import cpu_info
 
-    compiler = shutil.which("cc")
+    compiler = mkl_shim.c_compiler()
     if compiler is None or sys.platform != "linux" or mkl_shim.platform.machine() != "x86_64":
-        pytest.skip("needs cc and PyTorch's x86 wheel (MKL inside)")
+        pytest.skip("needs a C compiler and PyTorch's x86 wheel (MKL inside)")
     if cpu_info().vendor == "GenuineIntel":
         pytest.skip("the shim is for CPUs that are not Intel's")
     source, probe = tmp_path / "probe.c", tmp_path / "libprobe.so"
